@@ -1,0 +1,29 @@
+# `make test`  : set up .venv (if absent) and run every test.
+# `make train` : set up .venv and run the main job: tiny GPT, FP16, 2 ZeRO-1 ranks on CPU.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch is installed first, pinned, so pip does not pull a multi-GB CUDA build on a CPU box.
+# On a GPU machine: `make TORCH=torch test` (or any torch>=2.4 already in the venv is kept).
+TORCH  ?= torch==2.13.0
+NPROC  ?= 2
+TRAIN_ARGS ?=
+
+.PHONY: setup test train clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,examples]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+train: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train.py \
+		--model gpt --dtype fp16 --device cpu $(TRAIN_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,111 @@
+"""Every cross-rank point of fzero, in one file.
+
+The collectives are torch's *functional* collectives (``torch.distributed._functional_collectives``):
+they return new tensors instead of mutating, so the step stays pure and ``torch.compile``
+traces them into the graph (``fullgraph=True``). In eager mode their results are waited on
+here, before they leave this module. Each collective is one call per bucket, never per leaf.
+
+``Comm`` is the static view of a process group that the step needs: ``None`` group (or a
+world of one) means one process, and no collective is ever called.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .flat import Layout
+
+__all__ = ["Comm", "resolve_group"]
+
+# torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def resolve_group(group):
+    """``group`` as given, or WORLD when ``None`` and torch.distributed is initialized, else ``None``."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """A process group (or none), with the rank and size read once at engine init.
+
+    ``requested`` is the group as the user gave it (``None`` means "WORLD if initialized"),
+    kept to notice a world that changed since init."""
+
+    group: object | None
+    rank: int
+    world_size: int
+    requested: object | None = None
+
+    @classmethod
+    def of(cls, requested) -> "Comm":
+        group = resolve_group(requested)
+        if group is None:
+            return cls(None, 0, 1, requested)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), requested)
+
+    def check_unchanged(self) -> None:
+        """Raise if the group's size changed since init (a layout for N ranks is useless at M),
+        e.g. ``group=None`` before ``init_process_group`` and a step after it."""
+        group = resolve_group(self.requested)
+        now = 1 if group is None else dist.get_world_size(group)
+        if now != self.world_size:
+            raise ValueError(
+                f"process group has {now} ranks but the engine was initialized for {self.world_size}; "
+                "re-run engine.init (or load a checkpoint) at the new world size"
+            )
+
+    def reduce_scatter_sum(self, flat: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """``[padded_numel]`` -> this rank's ``[S]`` shard of the elementwise sum over ranks."""
+        if self.world_size == 1:
+            return flat
+        parts = [
+            _wait(_reduce_scatter(flat[b.start : b.start + self.world_size * b.shard], "sum", 0, self.group))
+            for b in layout.buckets
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""
+        if self.world_size == 1:
+            return shard
+        parts, pos = [], 0
+        for b in layout.buckets:
+            parts.append(_wait(_all_gather(shard[pos : pos + b.shard], 0, self.group)))
+            pos += b.shard
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum over ranks of a small tensor."""
+        if self.world_size == 1:
+            return x
+        return _wait(funcol.all_reduce(x, "sum", self.group))
+
+    def all_gather_object(self, obj) -> list:
+        """Off the hot path only (init, errors): pickles ``obj`` to every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def predivide_factor(world_size: int) -> float:
+    """FSDP's split of the 1/N average for low-precision sums: inputs are divided by ``f``
+    (about sqrt(N), a power of two) before the reduction and the result by ``N/f`` after, so
+    neither the sum of N scaled grads overflows nor the pre-divided inputs underflow."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)

@@ -1,0 +1,191 @@
+"""The ZeRO-1 mixed-precision engine: where layout, collectives, loss scale and transform meet.
+
+Per rank, with P parameter elements, N ranks and S = padded P / N:
+
+* ``params``: the user's pytree, leaves are ``param_dtype`` views of one flat ``[N*S]`` buffer
+  (2P bytes for FP16/BF16), identical on every rank;
+* ``state.master``: this rank's ``[S]`` FP32 master shard, plus the transform's state on it
+  (AdamW: two more FP32 ``[S]`` moments) -- 12S bytes, never 12P;
+* ``scaler_state``: the 0-d loss-scale tensors.
+
+The step is pure: it returns new params/state and leaves its inputs untouched.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from . import checks
+from .comm import Comm, predivide_factor
+from .flat import Layout, flatten, make_layout, tree_shard, unflatten
+from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
+
+__all__ = ["ZeroState", "Engine", "zero1"]
+
+_AUTO = "auto"
+
+
+class ZeroState(NamedTuple):
+    """``master``: ``[S]`` FP32 master weights of this rank's shard. ``tx_state``: the
+    transform's state, built on that shard (e.g. Adam's ``count``, ``mu [S]``, ``nu [S]``)."""
+
+    master: torch.Tensor
+    tx_state: Any
+
+
+class Engine:
+    """Built by :func:`zero1`. ``init`` fixes the flat layout (static metadata kept here);
+    ``step`` is then a pure function of its arguments."""
+
+    def __init__(self, tx, *, param_dtype, loss_scale, group, reduce_dtype, alignment, bucket_numel):
+        self.tx = tx
+        self.param_dtype = checks.check_param_dtype(param_dtype)
+        if loss_scale == _AUTO:
+            loss_scale = DynamicLossScale() if param_dtype == torch.float16 else None
+        self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
+        if not isinstance(self.loss_scale, (DynamicLossScale, StaticLossScale)):
+            raise TypeError(f"loss_scale must be DynamicLossScale, StaticLossScale or None, got {loss_scale!r}")
+        if reduce_dtype not in (torch.float32, param_dtype):
+            raise TypeError(f"reduce_dtype must be torch.float32 or the param_dtype {param_dtype}, got {reduce_dtype}")
+        self.reduce_dtype = reduce_dtype
+        self.alignment = alignment
+        self.bucket_numel = bucket_numel
+        self.comm = Comm.of(group)
+        self.layout: Layout | None = None
+        self.device: torch.device | None = None
+
+    # ------------------------------------------------------------------ init
+    def init(self, params: Any) -> tuple[Any, ZeroState, LossScaleState]:
+        """``params``: pytree of floating tensors (FP32 recommended), never modified.
+
+        Returns ``(params, state, scaler_state)``: ``params`` are ``param_dtype`` views of one
+        new flat buffer, assembled from every rank's master shard (so all ranks agree even if
+        their inputs differed); ``state`` holds this rank's FP32 shard and the transform state.
+        """
+        checks.check_params(params)
+        comm = self.comm
+        layout = make_layout(params, comm.world_size, alignment=self.alignment, bucket_numel=self.bucket_numel)
+        self._check_ranks_agree(layout)
+        self.layout = layout
+        self.device = optree.tree_leaves(params)[0].device
+        with torch.no_grad():
+            master = tree_shard(params, layout, comm.rank, dtype=torch.float32)
+            new_params = unflatten(comm.all_gather(master.to(self.param_dtype, copy=True), layout), layout)
+        state = ZeroState(master, self.tx.init(master))
+        return new_params, state, self.loss_scale.init(self.device)
+
+    def _check_ranks_agree(self, layout: Layout) -> None:
+        """All ranks must lay out the same leaves the same way, or shards would mix weights."""
+        if self.comm.world_size == 1:
+            return
+        sigs = self.comm.all_gather_object(layout.signature())
+        if len(set(sigs)) == 1:
+            return
+        tables = self.comm.all_gather_object(list(zip(layout.paths, [tuple(s) for s in layout.shapes])))
+        ref = tables[0]
+        for rank, table in enumerate(tables):
+            for i, (a, b) in enumerate(zip(ref, table)):
+                if a != b:
+                    raise ValueError(
+                        f"params differ across ranks: leaf {i} is {a[0]!r} with shape {a[1]} on rank 0 "
+                        f"but {b[0]!r} with shape {b[1]} on rank {rank}"
+                    )
+            if len(table) != len(ref):
+                raise ValueError(f"params differ across ranks: rank 0 has {len(ref)} leaves, rank {rank} has {len(table)}")
+        raise ValueError("params layout differs across ranks (same leaves, different buckets/alignment)")
+
+    # ------------------------------------------------------------------ step
+    def step(self, params: Any, grads: Any, state: ZeroState, scaler_state: LossScaleState):
+        """One optimizer step. ``grads`` are d(scaled loss)/d(params), this rank's.
+
+        reduce-scatter (sum) -> unscale and average -> one all-reduce of the squared norm
+        (which carries found_inf) -> transform -> keep old values if not finite -> cast ->
+        all-gather -> loss-scale update. Returns ``(params, state, scaler_state, info)`` with
+        ``info = {"found_inf", "loss_scale", "grad_norm"}`` (0-d tensors).
+        """
+        layout, comm = self._ready()
+        leaves = checks.check_like_layout(grads, layout, what="grads", device=self.device)
+        n = comm.world_size
+        scale = scaler_state.scale
+
+        # 1. Sum over ranks, this rank's shard only. Low-precision sums of N scaled grads could
+        #    overflow by themselves: reduce in FP32, or pre-divide as FSDP does.
+        if n == 1:
+            pre, flat = 1.0, flatten(grads, layout, dtype=leaves[0].dtype)
+        elif self.reduce_dtype == torch.float32:
+            pre, flat = 1.0, flatten(grads, layout, dtype=torch.float32)
+        else:
+            pre = predivide_factor(n)
+            flat = flatten(grads, layout, dtype=self.reduce_dtype).div_(pre)
+        g = comm.reduce_scatter_sum(flat, layout)
+
+        # 2. Average and unscale in one FP32 multiply: mean grad = sum * pre / (N * scale).
+        g = g.float() * (pre / n / scale)
+
+        # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
+        #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
+        sumsq = comm.all_reduce_sum(torch.sum(g * g))
+        found_inf = ~torch.isfinite(sumsq)
+        grad_norm = torch.sqrt(sumsq)
+
+        # 4. The transform on the FP32 shard.
+        updates, tx_state = self.tx.update(g, state.tx_state, state.master, grad_norm=grad_norm)
+        master = state.master + updates
+
+        # 5. Skip without a branch: on overflow every state tensor keeps its old bits.
+        master = torch.where(found_inf, state.master, master)
+        tx_state = optree.tree_map(lambda new, old: torch.where(found_inf, old, new), tx_state, state.tx_state)
+
+        # 6. Cast the shard and gather everyone's into the new flat param buffer.
+        flat_params = comm.all_gather(master.to(self.param_dtype, copy=True), layout)
+        new_params = unflatten(flat_params, layout)
+
+        scaler_state = self.loss_scale.update(scaler_state, found_inf)
+        info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": grad_norm}
+        return new_params, ZeroState(master, tx_state), scaler_state, info
+
+    def _ready(self) -> tuple[Layout, Comm]:
+        if self.layout is None:
+            raise RuntimeError("engine.step called before engine.init")
+        self.comm.check_unchanged()
+        return self.layout, self.comm
+
+    # ------------------------------------------------------------------ helpers
+    def state_bytes(self, state: ZeroState) -> int:
+        """Bytes of tensor storage this rank holds for optimizer state (master + transform)."""
+        return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
+def zero1(
+    tx,
+    *,
+    param_dtype: torch.dtype = torch.float16,
+    loss_scale=_AUTO,
+    group=None,
+    reduce_dtype: torch.dtype = torch.float32,
+    alignment: int = 64,
+    bucket_numel: int | None = None,
+) -> Engine:
+    """A ZeRO-1 engine for gradient transformation ``tx``.
+
+    Args:
+      param_dtype: dtype of the model params the user sees: fp16, bf16 or fp32.
+      loss_scale: ``DynamicLossScale()``, ``StaticLossScale(s)`` or ``None`` (no scaling);
+        default: dynamic for fp16, none otherwise.
+      group: a ProcessGroup; ``None`` = WORLD if torch.distributed is initialized, else one process.
+      reduce_dtype: dtype of the gradient reduce-scatter: FP32 (default; 2x the wire bytes of
+        FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
+      alignment: each rank's shard is a multiple of this many elements.
+      bucket_numel: elements per bucket (``None``: one bucket).
+    """
+    return Engine(
+        tx,
+        param_dtype=param_dtype,
+        loss_scale=loss_scale,
+        group=group,
+        reduce_dtype=reduce_dtype,
+        alignment=alignment,
+        bucket_numel=bucket_numel,
+    )

@@ -1,0 +1,179 @@
+"""Flat layout: a pytree of tensors <-> one contiguous, padded, rank-sharded buffer.
+
+Leaf order is optree's: ``optree.tree_flatten`` order, in which dict keys are *sorted*
+(not insertion order), lists/tuples/NamedTuples go field by field, and ``None`` is an empty
+subtree. Leaf ``i`` occupies ``flat[offsets[i] : offsets[i] + numel_i]``.
+
+The buffer is cut into buckets of consecutive leaves (one bucket by default). Each bucket is
+zero-padded to ``N * S_b`` elements, ``S_b`` a multiple of ``alignment``, so it splits into
+``N`` equal contiguous shards; rank ``r`` owns ``bucket[r*S_b : (r+1)*S_b]`` of every bucket,
+and its *shard* is the concatenation of those slices (``S = sum_b S_b`` elements). A
+parameter may straddle two ranks. With one bucket the padding is ``< N * alignment``
+elements and rank ``r`` owns ``flat[r*S : (r+1)*S]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any, Sequence
+
+import optree
+import torch
+
+__all__ = ["Layout", "make_layout", "flatten", "unflatten", "shard_of", "tree_shard", "leaf_paths"]
+
+DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return "/".join(str(k) for k in path) or "<root>"
+
+
+def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """``(paths, leaves, treespec)`` with paths like ``"blocks/0/attn/qkv_w"``."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    return [_path_str(p) for p in paths], leaves, spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """Consecutive leaves ``[first_leaf, last_leaf)`` at ``flat[start : start + world_size*shard]``."""
+
+    first_leaf: int
+    last_leaf: int
+    start: int
+    numel: int  # unpadded
+    shard: int  # elements per rank
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static description of the flat buffer; no tensors, hashable, identical on every rank."""
+
+    treespec: optree.PyTreeSpec
+    paths: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    world_size: int
+    alignment: int
+
+    @property
+    def numel(self) -> int:
+        """P: parameter elements, padding excluded."""
+        return sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the flat buffer, padding included (= world_size * shard_numel)."""
+        return self.world_size * self.shard_numel
+
+    @property
+    def shard_numel(self) -> int:
+        """S: elements each rank owns."""
+        return sum(b.shard for b in self.buckets)
+
+    def shard_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` flat ranges rank owns, one per bucket, in shard order."""
+        return [(b.start + rank * b.shard, b.start + (rank + 1) * b.shard) for b in self.buckets]
+
+    def signature(self) -> str:
+        """A digest of everything that must agree across ranks (paths, shapes, buckets)."""
+        text = repr((self.paths, [tuple(s) for s in self.shapes], self.buckets, self.world_size, self.alignment))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def make_layout(
+    tree: Any,
+    world_size: int,
+    *,
+    alignment: int = DEFAULT_ALIGNMENT,
+    bucket_numel: int | None = None,
+) -> Layout:
+    """Lay out the leaves of ``tree`` (tensors or anything with ``.shape``) for ``world_size`` ranks.
+
+    ``bucket_numel``: start a new bucket once a bucket holds at least this many elements
+    (a leaf is never split across buckets); ``None`` = one bucket.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    paths, leaves, spec = leaf_paths(tree)
+    shapes = tuple(torch.Size(leaf.shape) for leaf in leaves)
+    numels = [math.prod(s) for s in shapes]
+    groups: list[list[int]] = [[]]
+    filled = 0
+    for i, n in enumerate(numels):
+        if bucket_numel is not None and groups[-1] and filled >= bucket_numel:
+            groups.append([])
+            filled = 0
+        groups[-1].append(i)
+        filled += n
+    offsets = [0] * len(leaves)
+    buckets = []
+    start = 0
+    for group in groups:
+        pos = start
+        for i in group:
+            offsets[i] = pos
+            pos += numels[i]
+        numel = pos - start
+        shard = max(1, math.ceil(numel / (world_size * alignment))) * alignment
+        first = group[0] if group else 0
+        buckets.append(Bucket(first, first + len(group), start, numel, shard))
+        start += world_size * shard
+    return Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
+
+
+def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Copy the leaves into a new ``[padded_numel]`` buffer of ``dtype`` (default: first leaf's).
+
+    Padding is zero, so it never contributes to sums or norms. One pass: each leaf is
+    cast while it is copied.
+    """
+    leaves = layout.treespec.flatten_up_to(tree)
+    dtype = dtype or leaves[0].dtype
+    flat = torch.empty(layout.padded_numel, dtype=dtype, device=leaves[0].device)
+    for leaf, view in zip(leaves, _views(flat, layout)):
+        view.copy_(leaf)
+    for b in layout.buckets:
+        flat[b.start + b.numel : b.start + layout.world_size * b.shard].zero_()
+    return flat
+
+
+def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    return [flat[o : o + math.prod(s)].view(s) for o, s in zip(layout.offsets, layout.shapes)]
+
+
+def unflatten(flat: torch.Tensor, layout: Layout) -> Any:
+    """The pytree whose leaves are *views* into ``flat`` (writes to a leaf write the buffer)."""
+    if flat.ndim != 1 or flat.numel() != layout.padded_numel:
+        raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, layout needs ({layout.padded_numel},)")
+    return layout.treespec.unflatten(_views(flat, layout))
+
+
+def shard_of(flat: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s ``[S]`` shard of a full flat buffer (a view when there is one bucket)."""
+    parts = [flat[a:b] for a, b in layout.shard_ranges(rank)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def tree_shard(tree: Any, layout: Layout, rank: int, *, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s ``[S]`` shard of ``flatten(tree)``, built without the full buffer.
+
+    Copies only the parts of leaves that overlap the rank's ranges: memory ``S`` elements,
+    whatever ``P`` is. Used at init (master weights) and to simulate any rank of any world
+    size on one device.
+    """
+    leaves = layout.treespec.flatten_up_to(tree)
+    device = leaves[0].device if leaves else None
+    out = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    pos = 0
+    for bucket, (lo, hi) in zip(layout.buckets, layout.shard_ranges(rank)):
+        for i in range(bucket.first_leaf, bucket.last_leaf):
+            a, b = layout.offsets[i], layout.offsets[i] + math.prod(layout.shapes[i])
+            s, e = max(a, lo), min(b, hi)
+            if s < e:
+                out[pos + s - lo : pos + e - lo].copy_(leaves[i].reshape(-1)[s - a : e - a])
+        pos += hi - lo
+    return out

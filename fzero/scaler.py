@@ -1,0 +1,123 @@
+"""Loss scaling: an immutable state pytree and pure functions around it (like jmp).
+
+A *policy* (``DynamicLossScale``, ``StaticLossScale``, ``NoLossScale``) is static configuration
+(Python numbers, fixed for a run). Its ``init()`` returns a ``LossScaleState`` of 0-d tensors
+and ``update(state, found_inf)`` returns the next one with tensor ops only (no host sync, no
+Python branch on data), so it runs inside a compiled step.
+
+Dynamic rule (Megatron's DynamicGradScaler with torch's GradScaler defaults and a
+``[min_scale, max_scale]`` clamp), applied once per step after the cross-rank
+``found_inf`` agreement:
+
+* overflow: ``good_steps = 0``; ``hysteresis -= 1``; if ``hysteresis <= 0``:
+  ``scale = max(scale * backoff_factor, min_scale)``. With ``hysteresis=1`` the first overflow
+  backs off; with ``hysteresis=h`` the scale survives ``h-1`` overflows, and once the budget is
+  spent every further overflow backs off until the next growth refills it.
+* clean step: ``good_steps += 1``; once ``good_steps == growth_interval``:
+  ``scale = min(scale * growth_factor, max_scale)``, ``good_steps = 0``,
+  ``hysteresis = hysteresis`` (refilled).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "LossScaleState",
+    "DynamicLossScale",
+    "StaticLossScale",
+    "NoLossScale",
+    "scale_loss",
+]
+
+
+class LossScaleState(NamedTuple):
+    """``scale``: 0-d fp32, the factor the loss is multiplied by.
+    ``good_steps``: 0-d int32, consecutive finite steps since the last change.
+    ``hysteresis``: 0-d int32, overflows left before the next backoff."""
+
+    scale: torch.Tensor
+    good_steps: torch.Tensor
+    hysteresis: torch.Tensor
+
+
+def _state(scale: float, hysteresis: int, device) -> LossScaleState:
+    return LossScaleState(
+        torch.tensor(float(scale), dtype=torch.float32, device=device),
+        torch.zeros((), dtype=torch.int32, device=device),
+        torch.tensor(hysteresis, dtype=torch.int32, device=device),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """Grow the scale after ``growth_interval`` clean steps, back off on overflow."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+    def __post_init__(self):
+        if not (self.growth_factor >= 1.0 and 0.0 < self.backoff_factor <= 1.0):
+            raise ValueError(f"need growth_factor >= 1 and 0 < backoff_factor <= 1, got {self}")
+        if not (0 < self.min_scale <= self.init_scale <= self.max_scale):
+            raise ValueError(f"need 0 < min_scale <= init_scale <= max_scale, got {self}")
+        if self.growth_interval < 1 or self.hysteresis < 1:
+            raise ValueError(f"growth_interval and hysteresis must be >= 1, got {self}")
+
+    def init(self, device=None) -> LossScaleState:
+        return _state(self.init_scale, self.hysteresis, device)
+
+    def update(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        scale, good, hyst = state
+        hyst_after_inf = hyst - 1
+        backoff = found_inf & (hyst_after_inf <= 0)
+        good_next = torch.where(found_inf, torch.zeros_like(good), good + 1)
+        grow = good_next >= self.growth_interval
+        new_scale = torch.where(
+            backoff,
+            (scale * self.backoff_factor).clamp(min=self.min_scale),
+            torch.where(grow, (scale * self.growth_factor).clamp(max=self.max_scale), scale),
+        )
+        new_good = torch.where(grow, torch.zeros_like(good), good_next)
+        new_hyst = torch.where(
+            found_inf, hyst_after_inf, torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst)
+        )
+        return LossScaleState(new_scale, new_good, new_hyst)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """A fixed scale; overflowing steps are still skipped, the scale never changes."""
+
+    scale: float
+
+    def __post_init__(self):
+        if not self.scale > 0:
+            raise ValueError(f"StaticLossScale needs scale > 0, got {self.scale}")
+
+    def init(self, device=None) -> LossScaleState:
+        return _state(self.scale, 1, device)
+
+    def update(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLossScale(StaticLossScale):
+    """No scaling (scale 1): for BF16/FP32. Non-finite steps are still skipped."""
+
+    scale: float = 1.0
+
+
+def scale_loss(loss: torch.Tensor, scaler_state: LossScaleState | None) -> torch.Tensor:
+    """``loss * scale``, computed in fp32. ``loss`` is returned as is when there is no state."""
+    if scaler_state is None:
+        return loss
+    return loss.float() * scaler_state.scale

@@ -1,0 +1,76 @@
+"""Run a function on N spawned gloo ranks on CPU, with a timeout and per-test rendezvous.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (spawn), each joins a
+gloo group through a ``file://`` rendezvous in a fresh temporary directory (so parallel tests
+never collide; ``init=False`` leaves joining to ``fn`` via ``init_group``), calls ``fn(rank, world_size, *args)`` and returns the list of per-rank
+results (anything ``torch.save`` can store with ``weights_only`` loading: tensors, lists,
+dicts, numbers). A rank's exception is re-raised here with its traceback; a rank that does
+not finish within ``timeout`` seconds fails the test instead of hanging it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def init_group(rank: int, world_size: int) -> None:
+    """Join this test's gloo group (called by the harness, or by ``fn`` when ``init=False``)."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.environ['FZERO_TEST_RENDEZVOUS']}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
+def _worker(rank, world_size, tmp, fn, args, init):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["FZERO_TEST_RENDEZVOUS"] = os.path.join(tmp, "rendezvous")
+    torch.set_num_threads(1)
+    out = os.path.join(tmp, f"rank{rank}")
+    try:
+        if init:
+            init_group(rank, world_size)
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        torch.save(result, out + ".pt")
+    except BaseException:
+        with open(out + ".err", "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, init: bool = True) -> list:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, world_size, tmp, fn, args, init)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = []
+        for r in range(world_size):
+            err = os.path.join(tmp, f"rank{r}.err")
+            if os.path.exists(err):
+                errors.append(f"--- rank {r} ---\n" + open(err).read())
+        if errors:
+            raise RuntimeError("rank(s) failed:\n" + "\n".join(errors))
+        if hung:
+            raise TimeoutError(f"rank(s) {hung} still running after {timeout}s")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"rank(s) {bad} exited with codes {[procs[r].exitcode for r in bad]}")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in range(world_size)]

@@ -1,0 +1,207 @@
+"""Single-process engine tests: parity with torch.optim.AdamW, loss scaling, skips, bad input."""
+import functools
+
+import optree
+import pytest
+import torch
+
+import fzero
+import transforms
+from models import mlp
+
+
+def odd_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(7, 5, generator=g),
+        "blocks": [{"g": torch.randn(13, generator=g)}, {"g": torch.randn(3, 1, 2, generator=g)}],
+        "one": torch.randn(1, generator=g),
+    }
+
+
+def grads_like(params, seed, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return optree.tree_map(lambda p: torch.randn(p.shape, generator=g) * scale, params)
+
+
+def torch_adamw(params, grads_list, **kw):
+    leaves, spec = optree.tree_flatten(params)
+    ps = [torch.nn.Parameter(p.clone()) for p in leaves]
+    opt = torch.optim.AdamW(ps, **kw)
+    for grads in grads_list:
+        for p, g in zip(ps, spec.flatten_up_to(grads)):
+            p.grad = g.clone()
+        opt.step()
+    return spec.unflatten([p.detach() for p in ps])
+
+
+def tree_assert_close(a, b, **kw):
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+        torch.testing.assert_close(x, y, **kw)
+
+
+def tree_equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
+
+
+def master_tree(engine, state):
+    """The FP32 master as a pytree (world size 1: the shard is the whole buffer)."""
+    return fzero.unflatten(state.master, engine.layout)
+
+
+def test_fp32_parity_with_torch_adamw():
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    p0 = odd_params()
+    engine = fzero.zero1(transforms.adamw(**kw), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    grads_list = [grads_like(p0, i) for i in range(15)]
+    for grads in grads_list:
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        assert not info["found_inf"]
+    tree_assert_close(params, torch_adamw(p0, grads_list, **kw), rtol=1e-5, atol=1e-6)
+    assert state.tx_state[0].count.item() == 15
+
+
+def test_init_does_not_touch_user_params_and_params_are_views_of_one_buffer():
+    p0 = odd_params()
+    copy = optree.tree_map(torch.clone, p0)
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    params, state, _ = engine.init(p0)
+    params, *_ = engine.step(params, grads_like(p0, 0), state, _)
+    assert tree_equal(p0, copy)
+    leaves = optree.tree_leaves(params)
+    base = leaves[0].untyped_storage().data_ptr()
+    assert all(x.untyped_storage().data_ptr() == base and x.dtype == torch.float16 for x in leaves)
+    assert optree.tree_structure(params) == optree.tree_structure(p0)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_static_scale_master_matches_fp32_adamw_on_unscaled_grads(param_dtype):
+    kw = dict(lr=1e-2, weight_decay=0.01)
+    scale = 1024.0
+    p0 = odd_params()
+    engine = fzero.zero1(transforms.adamw(**kw), param_dtype=param_dtype, loss_scale=fzero.StaticLossScale(scale))
+    params, state, ss = engine.init(p0)
+    # grads are exact in the param dtype, so the unscaled grads are known exactly
+    grads_list = [optree.tree_map(lambda g: g.to(param_dtype).float(), grads_like(p0, i)) for i in range(10)]
+    for grads in grads_list:
+        scaled = optree.tree_map(lambda g: (g * scale).to(param_dtype), grads)
+        params, state, ss, info = engine.step(params, scaled, state, ss)
+        assert info["loss_scale"].item() == scale
+    # the master starts from p0 in FP32, as torch's FP32 reference does
+    tree_assert_close(master_tree(engine, state), torch_adamw(p0, grads_list, **kw), rtol=1e-5, atol=1e-6)
+    assert tree_equal(params, optree.tree_map(lambda m: m.to(param_dtype), master_tree(engine, state)))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_overflow_skips_bitwise_and_scale_backs_off_then_grows(bad, param_dtype):
+    p0 = odd_params()
+    policy = fzero.DynamicLossScale(init_scale=2.0**8, growth_interval=3)
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=param_dtype, loss_scale=policy)
+    params, state, ss = engine.init(p0)
+    cast = lambda t: optree.tree_map(lambda g: g.to(param_dtype), t)
+    params, state, ss, _ = engine.step(params, cast(grads_like(p0, 0)), state, ss)  # non-trivial state
+    grads = cast(grads_like(p0, 1))
+    grads["blocks"][1]["g"][0, 0, 1] = bad
+    new_params, new_state, new_ss, info = engine.step(params, grads, state, ss)
+    assert info["found_inf"].item() is True
+    assert info["loss_scale"].item() == 2.0**8
+    assert not torch.isfinite(info["grad_norm"])
+    assert tree_equal(new_params, params) and tree_equal(new_state, state)
+    assert new_ss.scale.item() == 2.0**7
+    # growth after growth_interval clean steps
+    params, state, ss = new_params, new_state, new_ss
+    for i in range(3):
+        assert ss.scale.item() == 2.0**7
+        params, state, ss, info = engine.step(params, cast(grads_like(p0, 2 + i)), state, ss)
+        assert not info["found_inf"]
+    assert ss.scale.item() == 2.0**8
+    assert state.tx_state[0].count.item() == 4  # the skipped step did not count
+    assert all(torch.isfinite(x).all() for x in optree.tree_leaves(state))
+
+
+def test_grad_norm_is_the_unscaled_global_norm():
+    p0 = odd_params()
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float32, loss_scale=fzero.StaticLossScale(8.0))
+    params, state, ss = engine.init(p0)
+    grads = grads_like(p0, 3)
+    _, _, _, info = engine.step(params, optree.tree_map(lambda g: g * 8.0, grads), state, ss)
+    want = torch.sqrt(sum((g.double() ** 2).sum() for g in optree.tree_leaves(grads)))
+    torch.testing.assert_close(info["grad_norm"].double(), want, rtol=1e-6, atol=0)
+
+
+def test_func_grad_mlp_bf16_halves_loss():
+    gen = torch.Generator().manual_seed(0)
+    p0 = mlp.init(gen, (16, 64, 64, 4))
+    x = torch.randn(64, 16, generator=gen)
+    y = torch.randn(64, 4, generator=gen)
+    engine = fzero.zero1(transforms.adamw(lr=3e-3, weight_decay=0.0), param_dtype=torch.bfloat16, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    batch = (x.bfloat16(), y)
+    grad_fn = torch.func.grad_and_value(lambda p: fzero.scale_loss(mlp.loss(p, batch), ss))
+    losses = []
+    for _ in range(60):
+        grads, loss = grad_fn(params)
+        losses.append(loss.item())
+        params, state, ss, info = engine.step(params, grads, state, ss)
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_fp16_dynamic_scaling_trains_mlp_under_func_grad():
+    gen = torch.Generator().manual_seed(1)
+    p0 = mlp.init(gen, (16, 64, 64, 4))
+    x, y = torch.randn(64, 16, generator=gen), torch.randn(64, 4, generator=gen)
+    engine = fzero.zero1(transforms.adamw(lr=3e-3, weight_decay=0.0), param_dtype=torch.float16,
+                         loss_scale=fzero.DynamicLossScale(init_scale=2.0**24, growth_interval=10))
+    params, state, ss = engine.init(p0)
+    losses, skipped = [], 0
+    for _ in range(60):
+        grads, loss = torch.func.grad_and_value(lambda p: fzero.scale_loss(mlp.loss(p, (x.half(), y)), ss))(params)
+        losses.append(loss.item() / ss.scale.item())
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        skipped += int(info["found_inf"])
+    assert skipped >= 1  # 2**24 overflows fp16 grads at first...
+    assert losses[-1] < 0.5 * losses[0]  # ...and training recovers after the backoffs
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.fixture
+def ready():
+    p0 = odd_params()
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    params, state, ss = engine.init(p0)
+    return engine, params, state, ss, grads_like(p0, 0)
+
+
+def test_grads_structure_mismatch_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["extra"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="'extra'"):
+        engine.step(params, grads, state, ss)
+
+
+def test_grads_wrong_shape_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["blocks"][0]["g"] = torch.zeros(12)
+    with pytest.raises(ValueError, match=r"'blocks/0/g' has shape \(12,\), expected \(13,\)"):
+        engine.step(params, grads, state, ss)
+
+
+def test_grads_not_floating_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["one"] = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="'one' has dtype torch.int64"):
+        engine.step(params, grads, state, ss)
+
+
+def test_bad_param_dtype_and_bad_params():
+    with pytest.raises(TypeError, match="param_dtype"):
+        fzero.zero1(transforms.adamw(), param_dtype=torch.float64)
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    with pytest.raises(TypeError, match="'b'.*torch.int32"):
+        engine.init({"a": torch.zeros(3), "b": torch.zeros(2, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="no tensor leaves"):
+        engine.init({})
+    with pytest.raises(RuntimeError, match="before engine.init"):
+        engine.step({}, {}, None, None)

@@ -1,0 +1,110 @@
+"""Multi-rank engine tests on spawned gloo ranks (CPU): sharding, agreement, skips, memory."""
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import fzero
+import transforms
+from distributed import init_group, run_ranks
+from test_engine import grads_like, odd_params, tree_assert_close
+
+STEPS = 6
+BAD_STEP = 3  # rank 1 alone sees an inf at this step
+
+
+def rank_grads(p0, step, rank):
+    return grads_like(p0, 100 * step + rank)
+
+
+def train(rank, world_size, param_dtype, reduce_dtype):
+    p0 = odd_params()
+    engine = fzero.zero1(
+        transforms.adamw(lr=1e-2, weight_decay=0.1),
+        param_dtype=param_dtype,
+        loss_scale=fzero.StaticLossScale(4.0),
+        reduce_dtype=reduce_dtype,
+    )
+    params, state, ss = engine.init(p0)
+    infos = []
+    for step in range(STEPS):
+        grads = optree.tree_map(lambda g: (g * 4.0).to(param_dtype), rank_grads(p0, step, rank))
+        if step == BAD_STEP and rank == 1:
+            grads["w"][2, 3] = float("inf")
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        infos.append(bool(info["found_inf"]))
+    layout = engine.layout
+    return {
+        "flat_params": fzero.flatten(params, layout),
+        "master": state.master,
+        "state_bytes": engine.state_bytes(state),
+        "shard_numel": layout.shard_numel,
+        "numel": layout.numel,
+        "found_inf": infos,
+        "count": int(state.tx_state[0].count),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "param_dtype,reduce_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16)],
+)
+def test_ranks_agree_and_equal_one_process_fed_mean_grads(world_size, param_dtype, reduce_dtype):
+    out = run_ranks(train, world_size, param_dtype, reduce_dtype)
+    p0 = odd_params()
+    for r in out:  # every rank skipped exactly the step where one rank saw an inf
+        assert r["found_inf"] == [s == BAD_STEP for s in range(STEPS)]
+        assert r["count"] == STEPS - 1
+        assert torch.equal(r["flat_params"], out[0]["flat_params"])  # bitwise identical params
+    # reference: one process, mean of the ranks' (exactly representable) grads, bad step dropped
+    ref = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = ref.init(p0)
+    for step in range(STEPS):
+        if step == BAD_STEP:
+            continue
+        per_rank = [optree.tree_map(lambda g: g.to(param_dtype).float(), rank_grads(p0, step, r)) for r in range(world_size)]
+        mean = optree.tree_map(lambda *gs: torch.stack(gs).double().mean(0).float(), *per_rank)
+        params, state, ss, _ = ref.step(params, mean, state, ss)
+    master = torch.cat([r["master"] for r in out])[: out[0]["numel"]]
+    tol = dict(rtol=1e-5, atol=1e-6) if reduce_dtype == torch.float32 else dict(rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(master, state.master[: out[0]["numel"]], **tol)
+    # per-rank optimizer state: master + mu + nu on S elements (+ a few 0-d scalars), not on P
+    S, P = out[0]["shard_numel"], out[0]["numel"]
+    assert S * world_size - P < world_size * 64
+    for r in out:
+        assert 12 * S <= r["state_bytes"] <= 12 * S + 64
+
+
+def mismatched_layout(rank, world_size):
+    p0 = odd_params()
+    if rank == 1:
+        p0["w"] = torch.zeros(5, 7)
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    try:
+        engine.init(p0)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def world_changed(rank, world_size):
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)  # before the group exists
+    params, state, ss = engine.init(odd_params())
+    init_group(rank, world_size)
+    try:
+        engine.step(params, grads_like(odd_params(), 0), state, ss)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_layout_mismatch_across_ranks_names_leaf_and_rank():
+    msgs = run_ranks(mismatched_layout, 2)
+    want = "leaf 3 is 'w' with shape (7, 5) on rank 0 but 'w' with shape (5, 7) on rank 1"
+    assert all(want in m for m in msgs), msgs
+
+
+def test_world_size_changed_since_init_raises():
+    msgs = run_ranks(world_changed, 2, init=False)
+    assert all("2 ranks" in m and "initialized for 1" in m for m in msgs), msgs

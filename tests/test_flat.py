@@ -1,0 +1,77 @@
+import math
+
+import optree
+import pytest
+import torch
+
+from fzero.flat import flatten, make_layout, shard_of, tree_shard, unflatten
+
+
+def odd_tree(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    # dict keys deliberately unsorted: optree orders them b, c, z
+    return {"z": r(7, 3), "b": [r(1), r(5)], "c": {"w": r(2, 3, 4), "s": r(())}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_numel", [None, 8])
+def test_round_trip_padding_and_shards(dtype, world_size, bucket_numel):
+    tree = odd_tree(dtype)
+    layout = make_layout(tree, world_size, alignment=4, bucket_numel=bucket_numel)
+    P = sum(x.numel() for x in optree.tree_leaves(tree))
+    assert layout.numel == P == 21 + 1 + 5 + 24 + 1
+    assert layout.padded_numel == world_size * layout.shard_numel
+    assert layout.shard_numel % 4 == 0
+    for b in layout.buckets:  # each bucket pads less than N * alignment
+        assert 0 <= world_size * b.shard - b.numel < world_size * 4
+    flat = flatten(tree, layout)
+    assert flat.dtype == dtype and flat.shape == (layout.padded_numel,)
+    back = unflatten(flat, layout)
+    assert optree.tree_structure(back) == optree.tree_structure(tree)
+    for a, b in zip(optree.tree_leaves(tree), optree.tree_leaves(back)):
+        assert a.shape == b.shape and torch.equal(a, b)
+    # padding is zero; leaves cover the rest exactly once
+    covered = torch.zeros(layout.padded_numel, dtype=torch.int32)
+    for o, s in zip(layout.offsets, layout.shapes):
+        covered[o : o + math.prod(s)] += 1
+    assert covered.sum() == P and covered.max() == 1
+    assert torch.all(flat[covered == 0] == 0)
+    # shards partition the buffer; tree_shard builds the same shard without the buffer
+    owned = torch.zeros(layout.padded_numel, dtype=torch.int32)
+    for r in range(world_size):
+        for a, b in layout.shard_ranges(r):
+            owned[a:b] += 1
+        assert torch.equal(tree_shard(tree, layout, r, dtype=torch.float32), shard_of(flat, layout, r).float())
+    assert torch.all(owned == 1)
+
+
+def test_leaf_order_is_optree_sorted_and_views_write_through():
+    tree = odd_tree()
+    layout = make_layout(tree, 2, alignment=4)
+    assert layout.paths == ("b/0", "b/1", "c/s", "c/w", "z")
+    flat = flatten(tree, layout)
+    views = unflatten(flat, layout)
+    views["z"].fill_(7.0)
+    assert torch.all(flat[layout.offsets[4] : layout.offsets[4] + 21] == 7.0)
+    assert views["c"]["w"].data_ptr() == flat[layout.offsets[3] :].data_ptr()
+
+
+def test_flatten_casts_and_rejects_wrong_buffer():
+    tree = odd_tree(torch.float16)
+    layout = make_layout(tree, 3)
+    flat = flatten(tree, layout, dtype=torch.float32)
+    assert flat.dtype == torch.float32
+    assert torch.equal(flat[: 21 + 7].half(), flatten(tree, layout)[: 21 + 7])
+    with pytest.raises(ValueError, match="layout needs"):
+        unflatten(flat[:-1], layout)
+
+
+def test_parameter_straddles_ranks():
+    tree = {"a": torch.arange(10.0)}
+    layout = make_layout(tree, 4, alignment=1)
+    assert layout.shard_numel == 3
+    assert [tree_shard(tree, layout, r, dtype=torch.float32).tolist() for r in range(4)] == [
+        [0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 0]
+    ]

@@ -1,0 +1,105 @@
+"""Adam moments and the AdamW recipe (torch.optim.AdamW semantics)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import optree
+import torch
+
+from .base import GradientTransformation, chain, hyperparam
+from .scale import add_decayed_weights, scale_by_learning_rate
+
+__all__ = ["ScaleByAdamState", "scale_by_adam", "adamw"]
+
+
+class ScaleByAdamState(NamedTuple):
+    """``count``: 0-d int32, applied updates so far. ``mu``/``nu``: first/second moments, like
+    the updates. ``b1``, ``b2``, ``eps``: 0-d float64 hyperparameters."""
+
+    count: torch.Tensor
+    mu: object
+    nu: object
+    b1: torch.Tensor
+    b2: torch.Tensor
+    eps: torch.Tensor
+
+    HYPERPARAMS = ("b1", "b2", "eps")
+
+
+def scale_by_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""Adam's direction, with both bias corrections and ``eps`` outside the square root:
+
+    .. math::
+        t \leftarrow t+1,\quad m \leftarrow \beta_1 m + (1-\beta_1) g,\quad
+        v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad
+        u = \frac{m / (1-\beta_1^t)}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon}
+
+    (torch.optim.Adam's arrangement). Moments are stored in ``mu_dtype``/``nu_dtype``
+    (default: the updates' dtype, FP32 under fzero); the elementwise arithmetic is FP32, the
+    0-d bias corrections float64 then FP32.
+    """
+
+    def init(params, **extra):
+        def zeros(dtype):
+            return optree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
+
+        count = torch.zeros((), dtype=torch.int32, device=optree.tree_leaves(params)[0].device)
+        return ScaleByAdamState(
+            count, zeros(mu_dtype), zeros(nu_dtype), hyperparam(b1, params), hyperparam(b2, params), hyperparam(eps, params)
+        )
+
+    def update(updates, state, params=None, **extra):
+        count = state.count + 1
+        # 0-d scalars in float64 (like torch.optim's Python floats), then fp32 for the [S] math.
+        t = count.to(torch.float64)
+        step_size = (1 / (1 - state.b1**t)).float()
+        bc2_sqrt = torch.sqrt(1 - state.b2**t).float()
+        w1, b2, w2, eps = (1 - state.b1).float(), state.b2.float(), (1 - state.b2).float(), state.eps.float()
+
+        def leaf(g, m, v):
+            g32 = g.float()
+            m = torch.lerp(m.float(), g32, w1)
+            v = v.float() * b2 + w2 * g32 * g32
+            u = (m * step_size) / (v.sqrt() / bc2_sqrt + eps)
+            return u.to(g.dtype), m, v
+
+        out = optree.tree_map(leaf, updates, state.mu, state.nu)
+        spec = optree.tree_structure(updates)
+        u, m, v = (spec.unflatten(x) for x in zip(*spec.flatten_up_to(out)))
+        mu = optree.tree_map(lambda x, old: x.to(old.dtype), m, state.mu)
+        nu = optree.tree_map(lambda x, old: x.to(old.dtype), v, state.nu)
+        return u, state._replace(count=count, mu=mu, nu=nu)
+
+    return GradientTransformation(init, update)
+
+
+def adamw(
+    lr=1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    weight_decay_mask=None,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    r"""AdamW with torch.optim.AdamW's defaults and semantics (decoupled decay):
+
+    .. math:: p \leftarrow p - \mathrm{lr}\,(u_{adam} + \mathrm{wd}\, p)
+
+    which equals torch's ``p *= 1 - lr*wd; p -= lr * u_adam``. ``lr`` is a float or a
+    schedule ``count -> lr``. ``weight_decay_mask``: pytree of bools (or a callable on the
+    params pytree) selecting the leaves that decay, e.g. no decay on biases and norm gains.
+    """
+    return chain(
+        scale_by_adam(*betas, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        add_decayed_weights(weight_decay, mask=weight_decay_mask),
+        scale_by_learning_rate(lr),
+    )

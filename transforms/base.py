@@ -1,0 +1,124 @@
+"""Gradient transformations, optax style: ``GradientTransformation(init, update)``.
+
+``init(params, **extra) -> state`` and ``update(updates, state, params=None, **extra) ->
+(updates, state)`` are pure functions on pytrees (a single tensor is a pytree of one leaf:
+that is how fzero's engine calls them, on one rank's flat FP32 shard). ``state`` is built from
+NamedTuples/tuples/dicts of tensors. Hyperparameters live in the state as 0-d float64 tensors,
+so changing one (``set_hyperparams``) never retraces a compiled step.
+
+``extra`` carries what only the caller can know, e.g. ``grad_norm`` (the global L2 norm of the
+gradients over all ranks, computed by the engine). Transforms ignore keys they do not use.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+__all__ = [
+    "GradientTransformation",
+    "chain",
+    "identity",
+    "set_hyperparams",
+    "get_hyperparams",
+    "hyperparam",
+    "apply_updates",
+]
+
+
+class GradientTransformation(NamedTuple):
+    init: Callable[..., Any]
+    update: Callable[..., tuple[Any, Any]]
+
+
+class EmptyState(NamedTuple):
+    pass
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged."""
+    return GradientTransformation(lambda params, **extra: EmptyState(), lambda u, s, params=None, **extra: (u, s))
+
+
+def chain(*txs: GradientTransformation) -> GradientTransformation:
+    """Apply ``txs`` in order; the state is a tuple of their states."""
+
+    def init(params, **extra):
+        return tuple(tx.init(params, **extra) for tx in txs)
+
+    def update(updates, state, params=None, **extra):
+        new_state = []
+        for tx, s in zip(txs, state):
+            updates, s = tx.update(updates, s, params, **extra)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def first_device(tree) -> torch.device | None:
+    leaves = optree.tree_leaves(tree)
+    return leaves[0].device if leaves else None
+
+
+def hyperparam(value: float, params) -> torch.Tensor:
+    """A 0-d float64 tensor on the params' device: a hyperparameter that may change in training.
+
+    float64 so that ``0.999`` is 0.999 (as a Python float is in torch.optim): an fp32 ``b2``
+    puts a 1.3e-5 relative error into ``1 - b2``. Only 0-d scalars are computed in float64;
+    they are cast to fp32 before touching the ``[S]`` tensors."""
+    return torch.tensor(float(value), dtype=torch.float64, device=first_device(params))
+
+
+def apply_updates(params, updates):
+    """``params + updates``, leaf by leaf, in each param's dtype."""
+    return optree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def _named_tuples(tree):
+    """Yield every NamedTuple node of ``tree`` (depth first)."""
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        yield tree
+    if isinstance(tree, (tuple, list)):
+        for child in tree:
+            yield from _named_tuples(child)
+    elif isinstance(tree, dict):
+        for child in tree.values():
+            yield from _named_tuples(child)
+
+
+def get_hyperparams(state) -> dict[str, torch.Tensor]:
+    """Every hyperparameter field (a 0-d tensor named in a state's ``HYPERPARAMS``) by name."""
+    out = {}
+    for node in _named_tuples(state):
+        for name in getattr(type(node), "HYPERPARAMS", ()):
+            out[name] = getattr(node, name)
+    return out
+
+
+def set_hyperparams(state, **values):
+    """A copy of ``state`` with the named hyperparameters replaced (e.g. ``lr=3e-4``).
+
+    Values become 0-d tensors (dtype of the old value) on the old value's device; the state's structure is
+    unchanged, so a compiled step keeps its graph. Unknown names raise ``KeyError``.
+    """
+    unknown = set(values) - set(get_hyperparams(state))
+    if unknown:
+        raise KeyError(f"no hyperparameter(s) {sorted(unknown)} in state; have {sorted(get_hyperparams(state))}")
+
+    def rebuild(node):
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            fields = {f: rebuild(getattr(node, f)) for f in node._fields}
+            for name in getattr(type(node), "HYPERPARAMS", ()):
+                if name in values:
+                    old = fields[name]
+                    fields[name] = torch.as_tensor(values[name], dtype=old.dtype, device=old.device).reshape(())
+            return type(node)(**fields)
+        if isinstance(node, (tuple, list)):
+            return type(node)(rebuild(c) for c in node)
+        if isinstance(node, dict):
+            return {k: rebuild(v) for k, v in node.items()}
+        return node
+
+    return rebuild(state)

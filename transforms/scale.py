@@ -1,0 +1,73 @@
+"""Scaling by the learning rate and decoupled weight decay."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import optree
+import torch
+
+from .base import GradientTransformation, hyperparam
+
+__all__ = ["ScaleByLearningRateState", "AddDecayedWeightsState", "scale_by_learning_rate", "add_decayed_weights"]
+
+
+class ScaleByLearningRateState(NamedTuple):
+    """``lr``: 0-d float64 (a constant learning rate; see ``set_hyperparams``)."""
+
+    lr: torch.Tensor
+
+    HYPERPARAMS = ("lr",)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """``count``: 0-d int32 applied updates; the learning rate is ``schedule(count)``."""
+
+    count: torch.Tensor
+
+
+class AddDecayedWeightsState(NamedTuple):
+    weight_decay: torch.Tensor
+
+    HYPERPARAMS = ("weight_decay",)
+
+
+def scale_by_learning_rate(lr) -> GradientTransformation:
+    """``u -> -lr * u``. ``lr``: a float (kept as a tensor in the state) or a schedule
+    ``count -> lr`` (called with the 0-d int32 count of applied updates, before this one)."""
+    if callable(lr):
+        schedule = lr
+
+        def init(params, **extra):
+            return ScaleByScheduleState(torch.zeros((), dtype=torch.int32, device=optree.tree_leaves(params)[0].device))
+
+        def update(updates, state, params=None, **extra):
+            rate = torch.as_tensor(schedule(state.count)).float()
+            return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), ScaleByScheduleState(state.count + 1)
+
+        return GradientTransformation(init, update)
+
+    def init(params, **extra):
+        return ScaleByLearningRateState(hyperparam(lr, params))
+
+    def update(updates, state, params=None, **extra):
+        rate = state.lr.float()
+        return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), state
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
+    """``u -> u + weight_decay * p`` (decoupled decay when followed by ``scale_by_learning_rate``)."""
+    del mask  # masks arrive with transforms.masked; see issue 3
+
+    def init(params, **extra):
+        return AddDecayedWeightsState(hyperparam(weight_decay, params))
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("add_decayed_weights needs params")
+        wd = state.weight_decay.float()
+        return optree.tree_map(lambda u, p: (u + wd * p).to(u.dtype), updates, params), state
+
+    return GradientTransformation(init, update)
+
