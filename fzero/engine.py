@@ -22,7 +22,7 @@ from .comm import Comm, predivide_factor
 from .flat import Layout, flatten, make_layout, tree_shard, unflatten
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
 
-__all__ = ["ZeroState", "Engine", "zero1"]
+__all__ = ["ZeroState", "Accumulated", "Engine", "zero1"]
 
 _AUTO = "auto"
 
@@ -33,6 +33,16 @@ class ZeroState(NamedTuple):
 
     master: torch.Tensor
     tx_state: Any
+
+
+class Accumulated(NamedTuple):
+    """Gradients summed over ``count`` micro-batches (see ``Engine.accumulate``).
+
+    ``grads``: FP32 ``[N*S]`` flat sum of this rank's (scaled) grads, 4P bytes;
+    ``count``: 0-d int32 number of micro-batches in the sum."""
+
+    grads: torch.Tensor
+    count: torch.Tensor
 
 
 class Engine:
@@ -73,8 +83,24 @@ class Engine:
         with torch.no_grad():
             master = tree_shard(params, layout, comm.rank, dtype=torch.float32)
             new_params = unflatten(comm.all_gather(master.to(self.param_dtype, copy=True), layout), layout)
-        state = ZeroState(master, self.tx.init(master))
+        # Masks and the like refer to the params pytree; the transform sees only the flat shard.
+        state = ZeroState(master, self.tx.init(master, tree=params, to_flat=self._mask_to_shard))
         return new_params, state, self.loss_scale.init(self.device)
+
+    def _mask_to_shard(self, mask: Any) -> torch.Tensor:
+        """A pytree of bools (or bool tensors) shaped like the params -> this rank's ``[S]`` bool shard."""
+        layout = self.layout
+        try:
+            leaves = layout.treespec.flatten_up_to(mask)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"mask structure differs from params: {e}") from None
+        full = []
+        for path, shape, m in zip(layout.paths, layout.shapes, leaves):
+            m = torch.as_tensor(m, dtype=torch.bool, device=self.device)
+            if m.ndim and m.shape != shape:
+                raise ValueError(f"mask leaf {path!r} has shape {tuple(m.shape)}, expected {tuple(shape)} or a bool")
+            full.append(m.expand(shape))
+        return tree_shard(layout.treespec.unflatten(full), layout, self.comm.rank, dtype=torch.bool)
 
     def _check_ranks_agree(self, layout: Layout) -> None:
         """All ranks must lay out the same leaves the same way, or shards would mix weights."""
@@ -98,7 +124,8 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self, params: Any, grads: Any, state: ZeroState, scaler_state: LossScaleState):
-        """One optimizer step. ``grads`` are d(scaled loss)/d(params), this rank's.
+        """One optimizer step. ``grads`` are d(scaled loss)/d(params), this rank's (a pytree like
+        params, or an ``Accumulated`` sum of micro-batches).
 
         reduce-scatter (sum) -> unscale and average -> one all-reduce of the squared norm
         (which carries found_inf) -> transform -> keep old values if not finite -> cast ->
@@ -106,23 +133,17 @@ class Engine:
         ``info = {"found_inf", "loss_scale", "grad_norm"}`` (0-d tensors).
         """
         layout, comm = self._ready()
-        leaves = checks.check_like_layout(grads, layout, what="grads", device=self.device)
         n = comm.world_size
         scale = scaler_state.scale
 
         # 1. Sum over ranks, this rank's shard only. Low-precision sums of N scaled grads could
         #    overflow by themselves: reduce in FP32, or pre-divide as FSDP does.
-        if n == 1:
-            pre, flat = 1.0, flatten(grads, layout, dtype=leaves[0].dtype)
-        elif self.reduce_dtype == torch.float32:
-            pre, flat = 1.0, flatten(grads, layout, dtype=torch.float32)
-        else:
-            pre = predivide_factor(n)
-            flat = flatten(grads, layout, dtype=self.reduce_dtype).div_(pre)
+        flat, pre, micro = self._flat_grads(grads)
         g = comm.reduce_scatter_sum(flat, layout)
 
-        # 2. Average and unscale in one FP32 multiply: mean grad = sum * pre / (N * scale).
-        g = g.float() * (pre / n / scale)
+        # 2. Average over ranks (and micro-batches) and unscale, in one FP32 multiply:
+        #    mean grad = sum * pre / (N * micro * scale).
+        g = g.float() * (pre / n / (scale * micro))
 
         # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
         #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
@@ -145,6 +166,34 @@ class Engine:
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": grad_norm}
         return new_params, ZeroState(master, tx_state), scaler_state, info
+
+    def _flat_grads(self, grads) -> tuple[torch.Tensor, float, Any]:
+        """``(flat, pre, micro)``: the flat buffer to reduce, its pre-division, micro-batches."""
+        if isinstance(grads, Accumulated):
+            return grads.grads, 1.0, grads.count
+        leaves = checks.check_like_layout(grads, self.layout, what="grads", device=self.device)
+        n = self.comm.world_size
+        if n == 1:
+            return flatten(grads, self.layout, dtype=leaves[0].dtype), 1.0, 1
+        if self.reduce_dtype == torch.float32:
+            return flatten(grads, self.layout, dtype=torch.float32), 1.0, 1
+        pre = predivide_factor(n)
+        return flatten(grads, self.layout, dtype=self.reduce_dtype).div_(pre), pre, 1
+
+    def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:
+        """Add one micro-batch's grads to ``acc`` (``None`` starts a new sum); pass the result
+        to ``step`` in place of grads for one update over all micro-batches.
+
+        Costs an FP32 buffer of the full padded size (4P bytes) per rank. Keep the loss scale
+        fixed while accumulating (it only changes in ``step``): an inf/NaN in any micro-batch
+        makes the sum non-finite, so the whole update is skipped.
+        """
+        self._ready()
+        checks.check_like_layout(grads, self.layout, what="grads", device=self.device)
+        flat = flatten(grads, self.layout, dtype=torch.float32)
+        if acc is None:
+            return Accumulated(flat, torch.ones((), dtype=torch.int32, device=self.device))
+        return Accumulated(acc.grads + flat, acc.count + 1)
 
     def _ready(self) -> tuple[Layout, Comm]:
         if self.layout is None:

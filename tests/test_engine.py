@@ -205,3 +205,106 @@ def test_bad_param_dtype_and_bad_params():
         engine.init({})
     with pytest.raises(RuntimeError, match="before engine.init"):
         engine.step({}, {}, None, None)
+
+
+# ---------------------------------------------------------------- transforms under the engine
+def run_engine(tx, p0, grads_list, **kw):
+    engine = fzero.zero1(tx, param_dtype=torch.float32, loss_scale=None, **kw)
+    params, state, ss = engine.init(p0)
+    infos = []
+    for grads in grads_list:
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        infos.append(info)
+    return params, state, infos
+
+
+def run_pytree(tx, p0, grads_list):
+    state = tx.init(p0)
+    p = p0
+    for grads in grads_list:
+        updates, state = tx.update(grads, state, p)
+        p = transforms.apply_updates(p, updates)
+    return p
+
+
+def test_mask_clip_schedule_on_the_flat_shard_equal_the_pytree_transform():
+    p0 = odd_params()
+    grads_list = [grads_like(p0, i, scale=3.0) for i in range(8)]
+    tx = transforms.chain(
+        transforms.clip_by_global_norm(2.0),
+        transforms.adamw(
+            lr=transforms.warmup_cosine_decay(0.0, 1e-2, 3, 8),
+            weight_decay=0.3,
+            weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p),
+        ),
+    )
+    params, state, infos = run_engine(tx, p0, grads_list)
+    tree_assert_close(params, run_pytree(tx, p0, grads_list), rtol=1e-5, atol=1e-7)
+    # info reports the norm before clipping
+    torch.testing.assert_close(infos[0]["grad_norm"], transforms.global_norm(grads_list[0]), rtol=1e-6, atol=0)
+    assert infos[0]["grad_norm"] > 2.0
+
+
+def test_skipped_steps_do_not_advance_schedules():
+    p0 = odd_params()
+    sched = transforms.linear_warmup(0.0, 1e-2, 4)
+    grads_list = [grads_like(p0, i) for i in range(6)]
+    bad = optree.tree_map(torch.clone, grads_list[2])
+    bad["w"][0, 0] = float("nan")
+    params, state, infos = run_engine(transforms.adamw(lr=sched), p0, grads_list[:2] + [bad] + grads_list[2:])
+    assert [bool(i["found_inf"]) for i in infos] == [False, False, True, False, False, False, False]
+    tree_assert_close(params, run_pytree(transforms.adamw(lr=sched), p0, grads_list), rtol=1e-6, atol=1e-8)
+    assert state.tx_state[2].count.item() == 6
+
+
+def test_changing_lr_between_steps_takes_effect():
+    p0 = odd_params()
+    grads_list = [grads_like(p0, i) for i in range(4)]
+    tx = transforms.adamw(lr=1e-2)
+    engine = fzero.zero1(tx, param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    ref_state, ref = tx.init(p0), p0
+    for i, grads in enumerate(grads_list):
+        if i == 2:
+            state = transforms.set_hyperparams(state, lr=1e-1)  # works on the whole engine state
+            ref_state = transforms.set_hyperparams(ref_state, lr=1e-1)
+        params, state, ss, _ = engine.step(params, grads, state, ss)
+        updates, ref_state = tx.update(grads, ref_state, ref)
+        ref = transforms.apply_updates(ref, updates)
+    assert transforms.get_hyperparams(state)["lr"].item() == pytest.approx(1e-1)
+    tree_assert_close(params, ref, rtol=1e-6, atol=1e-8)
+    unchanged = run_engine(tx, p0, grads_list)[0]
+    assert not torch.allclose(params["w"], unchanged["w"], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.float32])
+def test_accumulation_equals_one_step_on_the_mean_and_skips_whole_update_on_overflow(param_dtype):
+    p0 = odd_params()
+    micro = [optree.tree_map(lambda g: g.to(param_dtype), grads_like(p0, i)) for i in range(4)]
+    mean = optree.tree_map(lambda *gs: torch.stack([g.float() for g in gs]).mean(0), *micro)
+    loss_scale = fzero.StaticLossScale(1.0) if param_dtype == torch.float16 else None
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=param_dtype, loss_scale=loss_scale)
+    params, state, ss = engine.init(p0)
+    acc = None
+    for g in micro:
+        acc = engine.accumulate(acc, g)
+    assert acc.count.item() == 4 and acc.grads.dtype == torch.float32
+    params1, state1, _, info = engine.step(params, acc, state, ss)
+    ref = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, loss_scale=None)
+    rp, rs, rss = ref.init(p0)
+    _, rs, _, _ = ref.step(rp, mean, rs, rss)
+    torch.testing.assert_close(state1.master, rs.master, rtol=1e-6, atol=1e-7)
+    # an inf in one micro-batch skips the whole update
+    bad = optree.tree_map(torch.clone, micro[1])
+    bad["one"][0] = float("inf")
+    acc = None
+    for g in [micro[0], bad, micro[2]]:
+        acc = engine.accumulate(acc, g)
+    params2, state2, _, info = engine.step(params, acc, state, ss)
+    assert info["found_inf"] and tree_equal(state2, state) and tree_equal(params2, params)
+
+
+def test_bad_mask_names_leaf():
+    engine = fzero.zero1(transforms.adamw(weight_decay_mask={"w": True, "one": True, "blocks": [{"g": torch.ones(2, dtype=torch.bool)}, {"g": True}]}), param_dtype=torch.float16)
+    with pytest.raises(ValueError, match="mask leaf 'blocks/0/g' has shape"):
+        engine.init(odd_params())

@@ -108,3 +108,44 @@ def test_layout_mismatch_across_ranks_names_leaf_and_rank():
 def test_world_size_changed_since_init_raises():
     msgs = run_ranks(world_changed, 2, init=False)
     assert all("2 ranks" in m and "initialized for 1" in m for m in msgs), msgs
+
+
+def clipped_tx():
+    return transforms.chain(
+        transforms.clip_by_global_norm(0.5),
+        transforms.adamw(
+            lr=transforms.warmup_cosine_decay(0.0, 1e-2, 2, 6),
+            weight_decay=0.2,
+            weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p),
+        ),
+    )
+
+
+def train_clipped(rank, world_size):
+    p0 = odd_params()
+    engine = fzero.zero1(clipped_tx(), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    norms = []
+    for step in range(STEPS):
+        params, state, ss, info = engine.step(params, rank_grads(p0, step, rank), state, ss)
+        norms.append(info["grad_norm"])
+    return {"master": state.master, "numel": engine.layout.numel, "norms": torch.stack(norms)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_clipping_masks_schedules_across_ranks_equal_one_process(world_size):
+    out = run_ranks(train_clipped, world_size)
+    p0 = odd_params()
+    engine = fzero.zero1(clipped_tx(), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    norms = []
+    for step in range(STEPS):
+        mean = optree.tree_map(lambda *gs: torch.stack(gs).double().mean(0).float(),
+                               *[rank_grads(p0, step, r) for r in range(world_size)])
+        params, state, ss, info = engine.step(params, mean, state, ss)
+        norms.append(info["grad_norm"])
+    assert torch.all(torch.stack(norms) > 0.5)  # every step was clipped
+    for r in out:
+        torch.testing.assert_close(r["norms"], torch.stack(norms), rtol=1e-6, atol=0)
+    master = torch.cat([r["master"] for r in out])[: out[0]["numel"]]
+    torch.testing.assert_close(master, state.master[: out[0]["numel"]], rtol=1e-6, atol=1e-7)

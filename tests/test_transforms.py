@@ -67,3 +67,69 @@ def test_hyperparams_are_tensors_and_changing_lr_takes_effect():
     torch.testing.assert_close(u2["w"], 2 * u1["w"])
     with pytest.raises(KeyError, match="momentum"):
         transforms.set_hyperparams(state, momentum=0.9)
+
+
+def run_tx(tx, params, seq):
+    state = tx.init(params)
+    p = params
+    for grads in seq:
+        updates, state = tx.update(grads, state, p)
+        p = transforms.apply_updates(p, updates)
+    return p, state
+
+
+@pytest.mark.parametrize("kw", [dict(lr=0.1), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)])
+def test_sgd_matches_torch(kw):
+    params, seq = tree(), grads_seq(10)
+    p, _ = run_tx(transforms.sgd(**kw), params, seq)
+    ps = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    opt = torch.optim.SGD(list(ps.values()), **kw)
+    for grads in seq:
+        for k in ps:
+            ps[k].grad = grads[k].clone()
+        opt.step()
+    for k in ps:
+        torch.testing.assert_close(p[k], ps[k].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_mask_pytree_and_callable():
+    params, seq = tree(), grads_seq(5)
+    no_decay = lambda p: {k: v.ndim > 1 for k, v in p.items()}  # decay only matrices
+    p_mask, _ = run_tx(transforms.adamw(lr=1e-2, weight_decay=0.5, weight_decay_mask=no_decay), params, seq)
+    p_tree, _ = run_tx(transforms.adamw(lr=1e-2, weight_decay=0.5, weight_decay_mask=no_decay(params)), params, seq)
+    p_wd, _ = run_tx(transforms.adamw(lr=1e-2, weight_decay=0.5), params, seq)
+    p_0, _ = run_tx(transforms.adamw(lr=1e-2, weight_decay=0.0), params, seq)
+    for k in params:
+        torch.testing.assert_close(p_mask[k], p_tree[k], rtol=0, atol=0)
+        torch.testing.assert_close(p_mask[k], (p_wd if params[k].ndim > 1 else p_0)[k], rtol=0, atol=0)
+    assert not torch.equal(p_wd["b"], p_0["b"])
+
+
+def test_clip_by_global_norm_matches_torch_clip_grad_norm():
+    grads = {k: v * 10 for k, v in tree(3).items()}
+    clip = transforms.clip_by_global_norm(1.0)
+    clipped, _ = clip.update(grads, clip.init(grads))
+    ps = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in grads.items()}
+    for k in ps:
+        ps[k].grad = grads[k].clone()
+    torch.nn.utils.clip_grad_norm_(list(ps.values()), 1.0)
+    for k in ps:
+        torch.testing.assert_close(clipped[k], ps[k].grad, rtol=1e-6, atol=0)
+    torch.testing.assert_close(transforms.global_norm(clipped), torch.tensor(1.0), rtol=1e-5, atol=0)
+    small = {k: v * 1e-3 for k, v in grads.items()}
+    same, _ = clip.update(small, clip.init(small))
+    assert all(torch.equal(same[k], small[k]) for k in small)
+
+
+def test_mu_nu_dtypes():
+    params = tree()
+    state = transforms.scale_by_adam(mu_dtype=torch.bfloat16, nu_dtype=torch.float32).init(params)
+    assert state.mu["w"].dtype == torch.bfloat16 and state.nu["w"].dtype == torch.float32
+    u, state = transforms.scale_by_adam(mu_dtype=torch.bfloat16).update(tree(1), state)
+    assert state.mu["w"].dtype == torch.bfloat16 and u["w"].dtype == torch.float32
+
+
+def test_identity_and_chain():
+    g = tree(2)
+    u, s = transforms.chain(transforms.identity(), transforms.identity()).update(g, transforms.identity().init(g))
+    assert all(torch.equal(u[k], g[k]) for k in g)

@@ -20,6 +20,8 @@ __all__ = [
     "GradientTransformation",
     "chain",
     "identity",
+    "masked",
+    "MaskedState",
     "set_hyperparams",
     "get_hyperparams",
     "hyperparam",
@@ -53,6 +55,47 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
             updates, s = tx.update(updates, s, params, **extra)
             new_state.append(s)
         return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+class MaskedState(NamedTuple):
+    """``inner``: the wrapped transform's state. ``mask``: a pytree of bools like the params
+    (plain use) or, under fzero's engine, a bool tensor like the flat shard (1 byte/element)."""
+
+    inner: Any
+    mask: Any
+
+
+def masked(inner: GradientTransformation, mask) -> GradientTransformation:
+    """Apply ``inner`` only where ``mask`` is True; elsewhere updates pass through unchanged.
+
+    ``mask``: a pytree of bools (or bool tensors) with the params' structure, or a callable
+    ``params -> such a pytree``, e.g. ``lambda p: tree_map(lambda x: x.ndim > 1, p)`` for
+    "no weight decay on biases and norm gains".
+
+    ``init(params, *, tree=None, to_flat=None)``: when the transform runs on a flat shard
+    (fzero's engine), ``tree`` is the params pytree the mask refers to and ``to_flat`` turns a
+    pytree of bools into the matching bool shard; both are given once, at init.
+    """
+
+    def init(params, *, tree=None, to_flat=None, **extra):
+        m = mask(tree if tree is not None else params) if callable(mask) else mask
+        if to_flat is not None:
+            m = to_flat(m)
+        return MaskedState(inner.init(params, tree=tree, to_flat=to_flat, **extra), m)
+
+    def update(updates, state, params=None, **extra):
+        new, inner_state = inner.update(updates, state.inner, params, **extra)
+
+        def pick(m, n, u):
+            return torch.where(m, n, u) if isinstance(m, torch.Tensor) else (n if m else u)
+
+        if isinstance(state.mask, torch.Tensor):
+            chosen = optree.tree_map(lambda n, u: pick(state.mask, n, u), new, updates)
+        else:
+            chosen = optree.tree_map(pick, state.mask, new, updates)
+        return chosen, MaskedState(inner_state, state.mask)
 
     return GradientTransformation(init, update)
 

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, hyperparam
+from .base import GradientTransformation, hyperparam, masked
 
 __all__ = ["ScaleByLearningRateState", "AddDecayedWeightsState", "scale_by_learning_rate", "add_decayed_weights"]
 
@@ -57,8 +57,11 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
 
 
 def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
-    """``u -> u + weight_decay * p`` (decoupled decay when followed by ``scale_by_learning_rate``)."""
-    del mask  # masks arrive with transforms.masked; see issue 3
+    """``u -> u + weight_decay * p`` (decoupled decay when followed by ``scale_by_learning_rate``).
+
+    ``mask``: decay only where True (see ``masked``)."""
+    if mask is not None:
+        return masked(add_decayed_weights(weight_decay), mask)
 
     def init(params, **extra):
         return AddDecayedWeightsState(hyperparam(weight_decay, params))

@@ -1,0 +1,41 @@
+"""Clipping by the global L2 norm."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import optree
+import torch
+
+from .base import GradientTransformation, hyperparam
+
+__all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
+
+
+class ClipByGlobalNormState(NamedTuple):
+    max_norm: torch.Tensor
+
+    HYPERPARAMS = ("max_norm",)
+
+
+def global_norm(tree) -> torch.Tensor:
+    """``sqrt(sum of squares of every element)``, accumulated in FP32."""
+    return torch.sqrt(sum(torch.sum(x.float() * x.float()) for x in optree.tree_leaves(tree)))
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """``u -> u * min(1, max_norm / (norm + 1e-6))`` (torch.nn.utils.clip_grad_norm_'s rule).
+
+    ``norm`` is the ``grad_norm`` the caller passes (fzero's engine passes the norm over all
+    ranks' shards of the averaged, unscaled grads); without one it is the norm of ``updates``.
+    The norm is of the *incoming gradients*, so put this first in a ``chain``.
+    """
+
+    def init(params, **extra):
+        return ClipByGlobalNormState(hyperparam(max_norm, params))
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra):
+        norm = global_norm(updates) if grad_norm is None else grad_norm
+        coef = torch.clamp(state.max_norm.float() / (norm.float() + 1e-6), max=1.0)
+        return optree.tree_map(lambda u: (u * coef).to(u.dtype), updates), state
+
+    return GradientTransformation(init, update)

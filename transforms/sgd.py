@@ -1,0 +1,49 @@
+"""SGD with momentum (torch.optim.SGD semantics, dampening 0)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import optree
+import torch
+
+from .base import GradientTransformation, chain, hyperparam
+from .scale import add_decayed_weights, scale_by_learning_rate
+
+__all__ = ["TraceState", "trace", "sgd"]
+
+
+class TraceState(NamedTuple):
+    """``trace``: momentum buffer like the updates; ``momentum``: 0-d float64."""
+
+    trace: object
+    momentum: torch.Tensor
+
+    HYPERPARAMS = ("momentum",)
+
+
+def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
+    r"""Heavy-ball momentum: :math:`b \leftarrow \mu b + g`; update :math:`b` (or
+    :math:`g + \mu b` with ``nesterov``). Starting from :math:`b=0` this equals torch's
+    first-step ``b = g``."""
+
+    def init(params, **extra):
+        return TraceState(optree.tree_map(torch.zeros_like, params), hyperparam(momentum, params))
+
+    def update(updates, state, params=None, **extra):
+        mu = state.momentum.float()
+        buf = optree.tree_map(lambda g, b: (mu * b + g).to(b.dtype), updates, state.trace)
+        out = optree.tree_map(lambda g, b: g + mu * b, updates, buf) if nesterov else buf
+        return out, state._replace(trace=buf)
+
+    return GradientTransformation(init, update)
+
+
+def sgd(lr=1e-3, momentum: float = 0.0, *, nesterov: bool = False, weight_decay: float = 0.0, weight_decay_mask=None):
+    r"""torch.optim.SGD: ``g += wd * p`` (coupled L2), momentum, ``p -= lr * update``."""
+    if nesterov and momentum <= 0:
+        raise ValueError("nesterov momentum requires momentum > 0")
+    txs = [add_decayed_weights(weight_decay, mask=weight_decay_mask)]
+    if momentum:
+        txs.append(trace(momentum, nesterov=nesterov))
+    txs.append(scale_by_learning_rate(lr))
+    return chain(*txs)
