@@ -12,6 +12,10 @@ import torch
 
 from .flat import Layout, leaf_paths
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 __all__ = ["PARAM_DTYPES", "check_param_dtype", "check_params", "check_like_layout"]
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,10 +56,11 @@ def _first_structure_difference(tree: Any, layout: Layout) -> str:
 def check_like_layout(tree: Any, layout: Layout, *, what: str, device: torch.device) -> list[torch.Tensor]:
     """Check ``tree`` has the layout's structure and shapes, floating leaves on ``device``;
     return its leaves. ``what`` names the argument in errors ("grads", "params")."""
-    spec = optree.tree_structure(tree)
-    if spec != layout.treespec:
+    leaves = optree.tree_leaves(tree)
+    # Dynamo cannot trace a PyTreeSpec comparison; a compiled step still checks the leaf count
+    # and every shape below, and guards on the structure it was traced with.
+    if len(leaves) != len(layout.paths) or (not _compiling() and optree.tree_structure(tree) != layout.treespec):
         raise ValueError(f"{what} structure differs from params: {_first_structure_difference(tree, layout)}")
-    leaves = spec.flatten_up_to(tree)
     for path, shape, leaf in zip(layout.paths, layout.shapes, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{what} leaf {path!r} is a {type(leaf).__name__}, not a torch.Tensor")

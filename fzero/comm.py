@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .flat import Layout
+from .flat import Layout, shard_of
 
 __all__ = ["Comm", "resolve_group"]
 
@@ -47,6 +47,16 @@ class Comm:
     rank: int
     world_size: int
     requested: object | None = None
+    simulated: bool = False
+
+    @classmethod
+    def simulate(cls, rank: int, world_size: int) -> "Comm":
+        """Rank ``rank`` of ``world_size`` ranks that all hold identical tensors, without a
+        process group: sums are ``world_size * x`` and gathers repeat this rank's shard. The
+        buffers have the true sizes, so one device measures any rank of any world size."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        return cls(None, rank, world_size, None, True)
 
     @classmethod
     def of(cls, requested) -> "Comm":
@@ -58,6 +68,8 @@ class Comm:
     def check_unchanged(self) -> None:
         """Raise if the group's size changed since init (a layout for N ranks is useless at M),
         e.g. ``group=None`` before ``init_process_group`` and a step after it."""
+        if self.simulated:
+            return
         group = resolve_group(self.requested)
         now = 1 if group is None else dist.get_world_size(group)
         if now != self.world_size:
@@ -70,6 +82,8 @@ class Comm:
         """``[padded_numel]`` -> this rank's ``[S]`` shard of the elementwise sum over ranks."""
         if self.world_size == 1:
             return flat
+        if self.simulated:
+            return shard_of(flat, layout, self.rank) * self.world_size
         parts = [
             _wait(_reduce_scatter(flat[b.start : b.start + self.world_size * b.shard], "sum", 0, self.group))
             for b in layout.buckets
@@ -80,6 +94,12 @@ class Comm:
         """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""
         if self.world_size == 1:
             return shard
+        if self.simulated:
+            parts, pos = [], 0
+            for b in layout.buckets:
+                parts.append(shard[pos : pos + b.shard].repeat(self.world_size))
+                pos += b.shard
+            return torch.cat(parts)
         parts, pos = [], 0
         for b in layout.buckets:
             parts.append(_wait(_all_gather(shard[pos : pos + b.shard], 0, self.group)))
@@ -90,12 +110,14 @@ class Comm:
         """Elementwise sum over ranks of a small tensor."""
         if self.world_size == 1:
             return x
+        if self.simulated:
+            return x * self.world_size
         return _wait(funcol.all_reduce(x, "sum", self.group))
 
     def all_gather_object(self, obj) -> list:
         """Off the hot path only (init, errors): pickles ``obj`` to every rank."""
-        if self.world_size == 1:
-            return [obj]
+        if self.world_size == 1 or self.simulated:
+            return [obj] * self.world_size
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out

@@ -49,7 +49,7 @@ class Engine:
     """Built by :func:`zero1`. ``init`` fixes the flat layout (static metadata kept here);
     ``step`` is then a pure function of its arguments."""
 
-    def __init__(self, tx, *, param_dtype, loss_scale, group, reduce_dtype, alignment, bucket_numel):
+    def __init__(self, tx, *, param_dtype, loss_scale, group, reduce_dtype, alignment, bucket_numel, donate, simulate):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
         if loss_scale == _AUTO:
@@ -62,7 +62,8 @@ class Engine:
         self.reduce_dtype = reduce_dtype
         self.alignment = alignment
         self.bucket_numel = bucket_numel
-        self.comm = Comm.of(group)
+        self.donate = donate
+        self.comm = Comm.simulate(*simulate) if simulate is not None else Comm.of(group)
         self.layout: Layout | None = None
         self.device: torch.device | None = None
 
@@ -133,6 +134,7 @@ class Engine:
         ``info = {"found_inf", "loss_scale", "grad_norm"}`` (0-d tensors).
         """
         layout, comm = self._ready()
+        checks.check_like_layout(params, layout, what="params", device=self.device)
         n = comm.world_size
         scale = scaler_state.scale
 
@@ -161,11 +163,14 @@ class Engine:
 
         # 6. Cast the shard and gather everyone's into the new flat param buffer.
         flat_params = comm.all_gather(master.to(self.param_dtype, copy=True), layout)
-        new_params = unflatten(flat_params, layout)
+        new_params = unflatten(flat_params, layout, like=params)
 
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": grad_norm}
-        return new_params, ZeroState(master, tx_state), scaler_state, info
+        new_state = ZeroState(master, tx_state)
+        if self.donate:
+            new_state = _write_into(state, new_state)
+        return new_params, new_state, scaler_state, info
 
     def _flat_grads(self, grads) -> tuple[torch.Tensor, float, Any]:
         """``(flat, pre, micro)``: the flat buffer to reduce, its pre-division, micro-batches."""
@@ -207,6 +212,16 @@ class Engine:
         return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
+def _write_into(old: Any, new: Any) -> Any:
+    """Copy every tensor of ``new`` into the matching tensor of ``old``; return ``old``.
+
+    Under ``torch.compile`` inductor stores the step's results straight into the input
+    buffers, so the FP32 state is never held twice."""
+    for o, n in zip(optree.tree_leaves(old), optree.tree_leaves(new)):
+        o.copy_(n)
+    return old
+
+
 def zero1(
     tx,
     *,
@@ -216,6 +231,8 @@ def zero1(
     reduce_dtype: torch.dtype = torch.float32,
     alignment: int = 64,
     bucket_numel: int | None = None,
+    donate: bool = False,
+    simulate: tuple[int, int] | None = None,
 ) -> Engine:
     """A ZeRO-1 engine for gradient transformation ``tx``.
 
@@ -228,6 +245,12 @@ def zero1(
         FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
       alignment: each rank's shard is a multiple of this many elements.
       bucket_numel: elements per bucket (``None``: one bucket).
+      donate: ``step`` writes the new optimizer state into the input ``state``'s buffers and
+        returns them (JAX's ``donate_argnums``): the input state must not be used again. With
+        ``torch.compile`` the FP32 state then exists once during the step; without, the step
+        is pure and holds old and new state at its peak.
+      simulate: ``(rank, world_size)``: act as that rank of that many ranks with no process
+        group, every rank holding the same grads (for memory accounting on one device).
     """
     return Engine(
         tx,
@@ -237,4 +260,6 @@ def zero1(
         reduce_dtype=reduce_dtype,
         alignment=alignment,
         bucket_numel=bucket_numel,
+        donate=donate,
+        simulate=simulate,
     )

@@ -128,28 +128,36 @@ def make_layout(
 def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Copy the leaves into a new ``[padded_numel]`` buffer of ``dtype`` (default: first leaf's).
 
-    Padding is zero, so it never contributes to sums or norms. One pass: each leaf is
-    cast while it is copied.
+    Padding is zero, so it never contributes to sums or norms. One ``torch.cat``: eager casts
+    while it copies (``out=``); under ``torch.compile`` inductor turns it into one concat
+    kernel (with many leaves, better than fusing a many-way select into the step's kernel).
     """
-    leaves = layout.treespec.flatten_up_to(tree)
+    leaves = optree.tree_leaves(tree)
     dtype = dtype or leaves[0].dtype
-    flat = torch.empty(layout.padded_numel, dtype=dtype, device=leaves[0].device)
-    for leaf, view in zip(leaves, _views(flat, layout)):
-        view.copy_(leaf)
+    device = leaves[0].device
+    parts = []
     for b in layout.buckets:
-        flat[b.start + b.numel : b.start + layout.world_size * b.shard].zero_()
-    return flat
+        parts += [leaf.reshape(-1) for leaf in leaves[b.first_leaf : b.last_leaf]]
+        parts.append(torch.zeros(layout.world_size * b.shard - b.numel, dtype=dtype, device=device))
+    if torch.compiler.is_compiling():
+        return torch.cat([p.to(dtype) for p in parts])
+    return torch.cat(parts, out=torch.empty(layout.padded_numel, dtype=dtype, device=device))
 
 
 def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return [flat[o : o + math.prod(s)].view(s) for o, s in zip(layout.offsets, layout.shapes)]
 
 
-def unflatten(flat: torch.Tensor, layout: Layout) -> Any:
-    """The pytree whose leaves are *views* into ``flat`` (writes to a leaf write the buffer)."""
+def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None) -> Any:
+    """The pytree whose leaves are *views* into ``flat`` (writes to a leaf write the buffer).
+
+    ``like``: a pytree with the layout's structure to take the structure from. Inside
+    ``torch.compile`` pass one (e.g. the params): dynamo rebuilds trees only from structures
+    it traced itself, not from the ``PyTreeSpec`` stored in the layout."""
     if flat.ndim != 1 or flat.numel() != layout.padded_numel:
         raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, layout needs ({layout.padded_numel},)")
-    return layout.treespec.unflatten(_views(flat, layout))
+    spec = layout.treespec if like is None else optree.tree_structure(like)
+    return optree.tree_unflatten(spec, _views(flat, layout))
 
 
 def shard_of(flat: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ Dynamic rule (Megatron's DynamicGradScaler with torch's GradScaler defaults and 
 ``[min_scale, max_scale]`` clamp), applied once per step after the cross-rank
 ``found_inf`` agreement:
 
-* overflow: ``good_steps = 0``; ``hysteresis -= 1``; if ``hysteresis <= 0``:
+* overflow: ``good_steps = 0``; ``hysteresis = max(hysteresis - 1, 0)``; if ``hysteresis == 0``:
   ``scale = max(scale * backoff_factor, min_scale)``. With ``hysteresis=1`` the first overflow
   backs off; with ``hysteresis=h`` the scale survives ``h-1`` overflows, and once the budget is
   spent every further overflow backs off until the next growth refills it.
@@ -76,7 +76,7 @@ class DynamicLossScale:
 
     def update(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
         scale, good, hyst = state
-        hyst_after_inf = hyst - 1
+        hyst_after_inf = (hyst - 1).clamp(min=0)
         backoff = found_inf & (hyst_after_inf <= 0)
         good_next = torch.where(found_inf, torch.zeros_like(good), good + 1)
         grow = good_next >= self.growth_interval

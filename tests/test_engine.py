@@ -308,3 +308,24 @@ def test_bad_mask_names_leaf():
     engine = fzero.zero1(transforms.adamw(weight_decay_mask={"w": True, "one": True, "blocks": [{"g": torch.ones(2, dtype=torch.bool)}, {"g": True}]}), param_dtype=torch.float16)
     with pytest.raises(ValueError, match="mask leaf 'blocks/0/g' has shape"):
         engine.init(odd_params())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_simulated_ranks_hold_their_shard_of_the_one_process_state(world_size):
+    p0 = odd_params()
+    grads_list = [grads_like(p0, i) for i in range(3)]
+    ref = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, loss_scale=None, alignment=4)
+    params, state, ss = ref.init(p0)
+    for g in grads_list:
+        params, state, ss, _ = ref.step(params, g, state, ss)
+    shards = []
+    for r in range(world_size):
+        sim = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, loss_scale=None, alignment=4, simulate=(r, world_size))
+        sp, s, sss = sim.init(p0)
+        for g in grads_list:
+            sp, s, sss, _ = sim.step(sp, g, s, sss)
+        S = sim.layout.shard_numel
+        assert sim.state_bytes(s) - 12 * S < 64
+        shards.append(s.master)
+    master = torch.cat(shards)[: sim.layout.numel]
+    torch.testing.assert_close(master, state.master[: sim.layout.numel], rtol=1e-6, atol=1e-7)

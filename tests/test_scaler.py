@@ -12,8 +12,8 @@ def reference(policy, found):
     for inf in found:
         if inf:
             good = 0
-            hyst -= 1
-            if hyst <= 0:
+            hyst = max(hyst - 1, 0)
+            if hyst == 0:
                 scale = max(scale * policy.backoff_factor, policy.min_scale)
         else:
             good += 1

@@ -1,0 +1,47 @@
+"""Timing helpers shared by the benchmarks: medians of repeated runs, CUDA events on GPU."""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, device: torch.device, *, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    cells = [[str(c) for c in r] for r in [header] + rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])

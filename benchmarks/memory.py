@@ -1,0 +1,111 @@
+"""Per-rank memory: the textbook formulas beside the bytes fzero actually holds.
+
+For each model size P and world size N, fzero is run as rank 0 of N ranks on one device
+(``zero1(..., simulate=(0, N))``: the real layout and buffer sizes, no process group), with FP16
+params, FP16 grads and AdamW. "held" counts the bytes of every distinct storage behind params,
+grads, optimizer state and loss-scale state after one step; on a GPU, "peak" is
+``torch.cuda.max_memory_allocated`` during that step (from a reset after init).
+
+    python benchmarks/memory.py                          # 124M and 1B params, N = 1, 8, 64 (CPU)
+    python benchmarks/memory.py --sizes 1e9 --world-sizes 8 64 --device cuda
+
+Formulas (bytes per rank, mixed-precision AdamW): DDP 16P; ZeRO-1 4P + 12P/N; ZeRO-2 2P + 14P/N;
+ZeRO-3 16P/N.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+
+import optree
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fzero  # noqa: E402
+import transforms  # noqa: E402
+from common import hardware, table  # noqa: E402
+
+GB = 2**30
+
+
+def formulas(P: int, N: int) -> dict[str, float]:
+    return {"DDP": 16 * P, "ZeRO-1": 4 * P + 12 * P / N, "ZeRO-2": 2 * P + 14 * P / N, "ZeRO-3": 16 * P / N}
+
+
+def storage_bytes(*trees) -> int:
+    """Bytes of the distinct storages behind every tensor in ``trees`` (views counted once)."""
+    seen = {}
+    for t in optree.tree_leaves(trees):
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def measure(P: int, N: int, device: torch.device, leaves: int = 16) -> dict:
+    """Run rank 0 of N (simulated) for one step; return held and peak bytes."""
+    sizes = [P // leaves] * (leaves - 1) + [P - (P // leaves) * (leaves - 1)]
+    # FP16 inputs keep the 1B-parameter rows within a 24 GiB host; init casts them to FP32 shards.
+    init_params = {f"w{i}": torch.full((n,), 0.01, dtype=torch.float16, device=device) for i, n in enumerate(sizes)}
+    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, simulate=(0, N))
+    params, state, ss = engine.init(init_params)
+    del init_params
+    grads = optree.tree_map(lambda p: torch.full_like(p, 1e-3), params)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    params, state, ss, info = engine.step(params, grads, state, ss)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    held = storage_bytes(params, grads, state, ss)
+    out = {"held": held, "state": engine.state_bytes(state), "peak_step": peak, "shard": engine.layout.shard_numel}
+    del params, grads, state, ss, engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[124_439_808, 1e9])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--max-gib", type=float, default=14.0, help="skip rows whose ZeRO-1 formula exceeds this")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    rows, results = [], []
+    for P in map(int, args.sizes):
+        for N in args.world_sizes:
+            f = formulas(P, N)
+            if f["ZeRO-1"] / GB > args.max_gib:
+                print(f"skip P={P:.3g} N={N}: ZeRO-1 needs {f['ZeRO-1'] / GB:.1f} GiB > --max-gib", file=sys.stderr)
+                continue
+            m = measure(P, N, device)
+            results.append({"P": P, "N": N, **f, **m})
+            rows.append([
+                f"{P / 1e6:.0f}M", N,
+                *(f"{f[k] / GB:.2f}" for k in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")),
+                f"{m['held'] / GB:.2f}", f"{m['held'] / f['ZeRO-1']:.3f}",
+                f"{m['state'] / GB:.3f}", f"{12 * P / N / GB:.3f}",
+                "-" if m["peak_step"] is None else f"{m['peak_step'] / GB:.2f}",
+            ])
+    print(f"\nGiB per rank; fzero measured on {hardware(device)} as rank 0 of N (simulated)\n")
+    print(table(rows, ["P", "N", "DDP 16P", "ZeRO-1 4P+12P/N", "ZeRO-2 2P+14P/N", "ZeRO-3 16P/N",
+                       "fzero held", "held / ZeRO-1", "fzero opt state", "12P/N", "peak in step"]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

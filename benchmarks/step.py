@@ -1,0 +1,119 @@
+"""The optimizer step, side by side in one process: fzero vs torch's AdamW vs the classic recipe.
+
+Every row updates the same number of elements, split into ``--tensors`` leaves, from FP16 (or
+FP32) grads. The floor is the step's 28 bytes/element (read FP16 grad 2, FP32 master + 2 moments
+12; write them back 12; write the FP16 param 2) at the copy bandwidth measured in this run.
+
+    python benchmarks/step.py --numel 2e7 --device cpu          # CPU, 2e7 elements
+    python benchmarks/step.py --numel 1e9 --device cuda         # one GPU, 1e9 elements
+
+Rows: torch.optim.AdamW fused / foreach on FP32 params; the classic FP16-params + FP32-master
+recipe (torch's amp unscale kernel, AdamW on the master, copy back); fzero eager (pure) and
+fzero compiled (``torch.compile(engine.step, fullgraph=True)``, ``donate=True``), world size 1,
+FP16 params, dynamic loss scale. Prints a markdown table with x floor and ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fzero  # noqa: E402
+import transforms  # noqa: E402
+from common import hardware, median_time, table  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", type=float, default=2e7)
+    ap.add_argument("--tensors", type=int, default=200)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    sizes = [int(args.numel) // args.tensors] * args.tensors
+    N = sum(sizes)
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda n, dtype=torch.float32: torch.randn(n, generator=gen).to(dev, dtype)
+    bench = lambda fn: median_time(fn, dev, iters=args.iters)
+    ms = {}
+
+    # floor: copy bandwidth (bytes read + written per second)
+    src = rand(N // 2)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src))
+    del src, dst
+    floor = 28 * N / bw
+    ms["floor (28 B/elem at copy bandwidth)"] = floor
+
+    # torch.optim.AdamW on FP32 params
+    for impl in ("fused", "foreach"):
+        ps = [torch.nn.Parameter(rand(s)) for s in sizes]
+        for p in ps:
+            p.grad = rand(p.numel()) * 1e-3
+        opt = torch.optim.AdamW(ps, lr=1e-4, **{impl: True})
+        try:
+            ms[f"torch AdamW({impl}=True), FP32 params"] = bench(opt.step)
+        except RuntimeError as e:  # fused needs a device/dtype torch supports
+            print(f"skip torch AdamW {impl}: {e}", file=sys.stderr)
+        del opt, ps
+
+    # classic: FP16 params + FP32 master, amp unscale + AdamW on master + copy back
+    p16 = [rand(s, torch.float16) for s in sizes]
+    g16 = [rand(s, torch.float16) for s in sizes]
+    master = [torch.nn.Parameter(p.float()) for p in p16]
+    fused = dev.type == "cuda"
+    opt = torch.optim.AdamW(master, lr=1e-4, fused=fused, foreach=not fused)
+    found_inf = torch.zeros(1, device=dev)
+    inv_scale = torch.full((1,), 1 / 65536.0, device=dev)
+
+    def classic():
+        for m, g in zip(master, g16):
+            m.grad = g.float()
+        torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in master], found_inf, inv_scale)
+        opt.step()
+        torch._foreach_copy_(p16, master)
+
+    ms["classic FP16 + FP32 master (amp unscale, AdamW, copy)"] = bench(classic)
+    del p16, master, opt
+
+    # fzero, world size 1
+    params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}
+    grads = {k: g for k, g in zip(params32, g16)}
+    for label, compiled in (("fzero eager", False), ("fzero compiled", True)):
+        if compiled and not args.compile:
+            continue
+        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, donate=compiled)
+        carry = list(engine.init(params32))  # params, state, scaler_state
+        step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
+
+        def run():
+            carry[0], carry[1], carry[2], _ = step(carry[0], grads, carry[1], carry[2])
+
+        ms[label] = bench(run)
+        del engine, carry, step
+    del params32
+
+    fused_ms = ms.get("torch AdamW(fused=True), FP32 params")
+    classic_ms = ms["classic FP16 + FP32 master (amp unscale, AdamW, copy)"]
+    rows = [
+        [name, f"{t * 1e3:.2f}", f"{t / floor:.2f}", f"{t / fused_ms:.2f}" if fused_ms else "-", f"{classic_ms / t:.2f}"]
+        for name, t in ms.items()
+    ]
+    print(f"\n{N:.3g} elements in {args.tensors} tensors on {hardware(dev)}; copy bandwidth {bw / 1e9:.1f} GB/s; "
+          f"median of {args.iters}\n")
+    print(table(rows, ["step", "ms", "x floor", "x torch fused", "classic / this"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"numel": N, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()}}, f, indent=1)
+    return ms
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""torch.compile(engine.step, fullgraph=True): equal to eager, compiled once, no host syncs."""
+import contextlib
+
+import optree
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import fzero
+import transforms
+from distributed import run_ranks
+from test_engine import grads_like, odd_params
+
+
+def tx():
+    return transforms.chain(
+        transforms.clip_by_global_norm(5.0),
+        transforms.adamw(lr=1e-2, weight_decay=0.1, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
+    )
+
+
+def grads_seq(p0, dtype, scale, n=5, bad_step=2):
+    seq = []
+    for i in range(n):
+        g = optree.tree_map(lambda x: (x * scale).to(dtype), grads_like(p0, i))
+        if i == bad_step:
+            g["w"][1, 1] = float("inf")
+        seq.append(g)
+    return seq
+
+
+def run(step, engine, p0, seq, *, lr_at=None):
+    params, state, ss = engine.init(p0)
+    infos = []
+    for i, g in enumerate(seq):
+        if i == lr_at:
+            state = transforms.set_hyperparams(state, lr=3e-2)
+        params, state, ss, info = step(params, g, state, ss)
+        infos.append(info)
+    return params, state, ss, infos
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_compiled_step_equals_eager_and_never_recompiles(param_dtype):
+    p0 = odd_params()
+    scaling = fzero.DynamicLossScale(init_scale=2.0**10, growth_interval=2) if param_dtype == torch.float16 else None
+    seq = grads_seq(p0, param_dtype, 2.0**10 if scaling else 1.0)
+    eager = fzero.zero1(tx(), param_dtype=param_dtype, loss_scale=scaling)
+    e_params, e_state, e_ss, e_infos = run(eager.step, eager, p0, seq, lr_at=3)
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine = fzero.zero1(tx(), param_dtype=param_dtype, loss_scale=scaling, donate=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        c_params, c_state, c_ss, c_infos = run(torch.compile(engine.step, fullgraph=True), engine, p0, seq, lr_at=3)
+    # one graph served every step: the loss scale changed (backoff, growth) and so did lr
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [bool(i["found_inf"]) for i in c_infos] == [bool(i["found_inf"]) for i in e_infos] == [False, False, True, False, False]
+    assert len({float(i["loss_scale"]) for i in c_infos}) > 1 or scaling is None
+    for a, b in zip(optree.tree_leaves((c_state, c_ss)), optree.tree_leaves((e_state, e_ss))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(optree.tree_leaves(c_params), optree.tree_leaves(e_params)):
+        torch.testing.assert_close(a, b, rtol=1e-2 if param_dtype == torch.bfloat16 else 1e-3, atol=0)
+
+
+def compiled_vs_eager(rank, world_size):
+    p0 = odd_params()
+    seq = [optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 10 * i + rank)) for i in range(3)]
+    eager = fzero.zero1(tx(), param_dtype=torch.float16, loss_scale=fzero.StaticLossScale(64.0))
+    compiled = fzero.zero1(tx(), param_dtype=torch.float16, loss_scale=fzero.StaticLossScale(64.0), donate=True)
+    e = run(eager.step, eager, p0, seq)
+    c = run(torch.compile(compiled.step, fullgraph=True), compiled, p0, seq)
+    return {"eager": optree.tree_leaves(e[1]), "compiled": optree.tree_leaves(c[1]),
+            "params": fzero.flatten(c[0], compiled.layout)}
+
+
+def test_compiled_step_on_two_gloo_ranks_equals_eager():
+    out = run_ranks(compiled_vs_eager, 2)
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    for r in out:
+        for a, b in zip(r["compiled"], r["eager"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@contextlib.contextmanager
+def forbid_host_syncs():
+    """Make every Tensor -> Python conversion raise while the block runs."""
+    names = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def trap(name):
+        def f(self, *a, **k):
+            raise AssertionError(f"host sync: Tensor.{name} called inside the step")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, trap(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_forbid_host_syncs_catches_a_sync():
+    with pytest.raises(AssertionError, match="Tensor.item"):
+        with forbid_host_syncs():
+            torch.ones(()).item()
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_and_accumulate_make_no_host_sync(donate):
+    p0 = odd_params()
+    engine = fzero.zero1(tx(), param_dtype=torch.float16, donate=donate, loss_scale=fzero.DynamicLossScale(2.0**8))
+    params, state, ss = engine.init(p0)
+    seq = grads_seq(p0, torch.float16, 2.0**8, n=3, bad_step=1)
+    with forbid_host_syncs():
+        for g in seq:
+            params, state, ss, info = engine.step(params, g, state, ss)
+        acc = engine.accumulate(engine.accumulate(None, seq[0]), seq[2])
+        params, state, ss, info = engine.step(params, acc, state, ss)
+    assert ss.scale.item() == 2.0**7  # the step with the inf backed off, without a sync
+    assert not info["found_inf"] and state.tx_state[1][0].count.item() == 3
