@@ -4,7 +4,9 @@ For each model size P and world size N, fzero is run as rank 0 of N ranks on one
 (``zero1(..., simulate=(0, N))``: the real layout and buffer sizes, no process group), with FP16
 params, FP16 grads and AdamW. "held" counts the bytes of every distinct storage behind params,
 grads, optimizer state and loss-scale state after one step; on a GPU, "peak" is
-``torch.cuda.max_memory_allocated`` during that step (from a reset after init).
+``torch.cuda.max_memory_allocated`` during that step (from a reset after init). The gradient
+accumulation buffer is measured for stage 1 (full FP32 flat sum, 4P) and stage 2 (this rank's
+FP32 shard of the reduced sum, 4P/N).
 
     python benchmarks/memory.py                          # 124M and 1B params, N = 1, 8, 64 (CPU)
     python benchmarks/memory.py --sizes 1e9 --world-sizes 8 64 --device cuda
@@ -66,7 +68,16 @@ def measure(P: int, N: int, device: torch.device, leaves: int = 16) -> dict:
         peak = torch.cuda.max_memory_allocated() - before
     held = storage_bytes(params, grads, state, ss)
     out = {"held": held, "state": engine.state_bytes(state), "peak_step": peak, "shard": engine.layout.shard_numel}
-    del params, grads, state, ss, engine
+    # gradient accumulation buffers: stage 1 sums the full flat grads, stage 2 only its shard
+    acc = engine.accumulate(engine.accumulate(None, grads), grads)
+    out["acc_stage1"] = storage_bytes(acc)
+    del acc, state
+    stage2 = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, simulate=(0, N), stage=2)
+    stage2.init(params)
+    acc = stage2.accumulate(stage2.accumulate(None, grads), grads)
+    out["acc_stage2"] = storage_bytes(acc)
+    del acc, stage2
+    del params, grads, ss, engine
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -96,11 +107,13 @@ def main(argv=None):
                 *(f"{f[k] / GB:.2f}" for k in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")),
                 f"{m['held'] / GB:.2f}", f"{m['held'] / f['ZeRO-1']:.3f}",
                 f"{m['state'] / GB:.3f}", f"{12 * P / N / GB:.3f}",
+                f"{m['acc_stage1'] / GB:.3f}", f"{m['acc_stage2'] / GB:.3f}",
                 "-" if m["peak_step"] is None else f"{m['peak_step'] / GB:.2f}",
             ])
     print(f"\nGiB per rank; fzero measured on {hardware(device)} as rank 0 of N (simulated)\n")
     print(table(rows, ["P", "N", "DDP 16P", "ZeRO-1 4P+12P/N", "ZeRO-2 2P+14P/N", "ZeRO-3 16P/N",
-                       "fzero held", "held / ZeRO-1", "fzero opt state", "12P/N", "peak in step"]))
+                       "fzero held", "held / ZeRO-1", "fzero opt state", "12P/N",
+                       "accum buf stage 1", "accum buf stage 2", "peak in step"]))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -23,6 +23,7 @@ __all__ = ["Comm", "resolve_group"]
 # torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_all_reduce = funcol.all_reduce
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +113,7 @@ class Comm:
             return x
         if self.simulated:
             return x * self.world_size
-        return _wait(funcol.all_reduce(x, "sum", self.group))
+        return _wait(_all_reduce(x, "sum", self.group))
 
     def all_gather_object(self, obj) -> list:
         """Off the hot path only (init, errors): pickles ``obj`` to every rank."""

@@ -1,14 +1,16 @@
-"""The ZeRO-1 mixed-precision engine: where layout, collectives, loss scale and transform meet.
+"""The ZeRO mixed-precision engine: where layout, collectives, loss scale and transform meet.
 
 Per rank, with P parameter elements, N ranks and S = padded P / N:
 
 * ``params``: the user's pytree, leaves are ``param_dtype`` views of one flat ``[N*S]`` buffer
   (2P bytes for FP16/BF16), identical on every rank;
 * ``state.master``: this rank's ``[S]`` FP32 master shard, plus the transform's state on it
-  (AdamW: two more FP32 ``[S]`` moments) -- 12S bytes, never 12P;
+  (AdamW: two more FP32 ``[S]`` moments) -- 12S bytes, never 12P (on the host with
+  ``offload="cpu"``);
 * ``scaler_state``: the 0-d loss-scale tensors.
 
-The step is pure: it returns new params/state and leaves its inputs untouched.
+The step is pure unless ``donate=True``: it returns new params/state and leaves its inputs
+untouched.
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ class ZeroState(NamedTuple):
 class Accumulated(NamedTuple):
     """Gradients summed over ``count`` micro-batches (see ``Engine.accumulate``).
 
-    ``grads``: FP32 ``[N*S]`` flat sum of this rank's (scaled) grads, 4P bytes;
-    ``count``: 0-d int32 number of micro-batches in the sum."""
+    ``grads``: FP32, this rank's (scaled) grads summed over micro-batches: the flat ``[N*S]``
+    buffer (stage 1, 4P bytes), or this rank's ``[S]`` shard already summed over ranks
+    (stage 2, 4P/N bytes). ``count``: 0-d int32 number of micro-batches in the sum."""
 
     grads: torch.Tensor
     count: torch.Tensor
@@ -47,9 +50,10 @@ class Accumulated(NamedTuple):
 
 class Engine:
     """Built by :func:`zero1`. ``init`` fixes the flat layout (static metadata kept here);
-    ``step`` is then a pure function of its arguments."""
+    ``step`` is then a function of its arguments only."""
 
-    def __init__(self, tx, *, param_dtype, loss_scale, group, reduce_dtype, alignment, bucket_numel, donate, simulate):
+    def __init__(self, tx, *, param_dtype, loss_scale, group, reduce_dtype, alignment, bucket_bytes, stage,
+                 offload, donate, simulate):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
         if loss_scale == _AUTO:
@@ -59,13 +63,22 @@ class Engine:
             raise TypeError(f"loss_scale must be DynamicLossScale, StaticLossScale or None, got {loss_scale!r}")
         if reduce_dtype not in (torch.float32, param_dtype):
             raise TypeError(f"reduce_dtype must be torch.float32 or the param_dtype {param_dtype}, got {reduce_dtype}")
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage}")
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive or None, got {bucket_bytes}")
         self.reduce_dtype = reduce_dtype
         self.alignment = alignment
-        self.bucket_numel = bucket_numel
+        self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
+        self.stage = stage
+        self.offload = offload
         self.donate = donate
         self.comm = Comm.simulate(*simulate) if simulate is not None else Comm.of(group)
         self.layout: Layout | None = None
-        self.device: torch.device | None = None
+        self.device: torch.device | None = None  # where params and grads live
+        self.state_device: torch.device | None = None  # where master and moments live
 
     # ------------------------------------------------------------------ init
     def init(self, params: Any) -> tuple[Any, ZeroState, LossScaleState]:
@@ -81,12 +94,21 @@ class Engine:
         self._check_ranks_agree(layout)
         self.layout = layout
         self.device = optree.tree_leaves(params)[0].device
+        self.state_device = torch.device("cpu") if self.offload else self.device
         with torch.no_grad():
             master = tree_shard(params, layout, comm.rank, dtype=torch.float32)
             new_params = unflatten(comm.all_gather(master.to(self.param_dtype, copy=True), layout), layout)
+            master = self._to_state_device(master)
         # Masks and the like refer to the params pytree; the transform sees only the flat shard.
         state = ZeroState(master, self.tx.init(master, tree=params, to_flat=self._mask_to_shard))
         return new_params, state, self.loss_scale.init(self.device)
+
+    def _to_state_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.state_device == self.device:
+            return t
+        t = t.to(self.state_device)
+        # Pinned host memory makes the per-step host<->device copies asynchronous DMA.
+        return t.pin_memory() if torch.cuda.is_available() else t
 
     def _mask_to_shard(self, mask: Any) -> torch.Tensor:
         """A pytree of bools (or bool tensors) shaped like the params -> this rank's ``[S]`` bool shard."""
@@ -97,14 +119,17 @@ class Engine:
             raise ValueError(f"mask structure differs from params: {e}") from None
         full = []
         for path, shape, m in zip(layout.paths, layout.shapes, leaves):
-            m = torch.as_tensor(m, dtype=torch.bool, device=self.device)
+            m = torch.as_tensor(m, dtype=torch.bool, device=self.state_device)
             if m.ndim and m.shape != shape:
                 raise ValueError(f"mask leaf {path!r} has shape {tuple(m.shape)}, expected {tuple(shape)} or a bool")
             full.append(m.expand(shape))
         return tree_shard(layout.treespec.unflatten(full), layout, self.comm.rank, dtype=torch.bool)
 
     def _check_ranks_agree(self, layout: Layout) -> None:
-        """All ranks must lay out the same leaves the same way, or shards would mix weights."""
+        """All ranks must lay out the same leaves the same way, or shards would mix weights.
+
+        One all-gather of a digest of (paths, shapes, buckets); only on a mismatch a second
+        one of the leaf tables, to name the first differing leaf and rank."""
         if self.comm.world_size == 1:
             return
         sigs = self.comm.all_gather_object(layout.signature())
@@ -121,7 +146,7 @@ class Engine:
                     )
             if len(table) != len(ref):
                 raise ValueError(f"params differ across ranks: rank 0 has {len(ref)} leaves, rank {rank} has {len(table)}")
-        raise ValueError("params layout differs across ranks (same leaves, different buckets/alignment)")
+        raise ValueError(f"params layout differs across ranks (same leaves, different buckets/alignment): {sigs}")
 
     # ------------------------------------------------------------------ step
     def step(self, params: Any, grads: Any, state: ZeroState, scaler_state: LossScaleState):
@@ -135,17 +160,14 @@ class Engine:
         """
         layout, comm = self._ready()
         checks.check_like_layout(params, layout, what="params", device=self.device)
-        n = comm.world_size
         scale = scaler_state.scale
 
-        # 1. Sum over ranks, this rank's shard only. Low-precision sums of N scaled grads could
-        #    overflow by themselves: reduce in FP32, or pre-divide as FSDP does.
-        flat, pre, micro = self._flat_grads(grads)
-        g = comm.reduce_scatter_sum(flat, layout)
+        # 1. Sum over ranks, this rank's [S] shard only (see _reduce for the precision).
+        g, pre, micro = self._reduce(grads)
 
-        # 2. Average over ranks (and micro-batches) and unscale, in one FP32 multiply:
+        # 2. Average over ranks and micro-batches and unscale, in one FP32 multiply:
         #    mean grad = sum * pre / (N * micro * scale).
-        g = g.float() * (pre / n / (scale * micro))
+        g = g.float() * (pre / comm.world_size / (scale * micro))
 
         # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
         #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
@@ -153,17 +175,18 @@ class Engine:
         found_inf = ~torch.isfinite(sumsq)
         grad_norm = torch.sqrt(sumsq)
 
-        # 4. The transform on the FP32 shard.
-        updates, tx_state = self.tx.update(g, state.tx_state, state.master, grad_norm=grad_norm)
+        # 4. The transform on the FP32 shard (on the host with offload: a blocking copy there).
+        g, skip, norm = (x.to(self.state_device) for x in (g, found_inf, grad_norm))
+        updates, tx_state = self.tx.update(g, state.tx_state, state.master, grad_norm=norm)
         master = state.master + updates
 
         # 5. Skip without a branch: on overflow every state tensor keeps its old bits.
-        master = torch.where(found_inf, state.master, master)
-        tx_state = optree.tree_map(lambda new, old: torch.where(found_inf, old, new), tx_state, state.tx_state)
+        master = torch.where(skip, state.master, master)
+        tx_state = optree.tree_map(lambda new, old: torch.where(skip, old, new), tx_state, state.tx_state)
 
         # 6. Cast the shard and gather everyone's into the new flat param buffer.
-        flat_params = comm.all_gather(master.to(self.param_dtype, copy=True), layout)
-        new_params = unflatten(flat_params, layout, like=params)
+        shard = master.to(self.param_dtype, copy=True).to(self.device, non_blocking=True)
+        new_params = unflatten(comm.all_gather(shard, layout), layout, like=params)
 
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": grad_norm}
@@ -172,33 +195,55 @@ class Engine:
             new_state = _write_into(state, new_state)
         return new_params, new_state, scaler_state, info
 
-    def _flat_grads(self, grads) -> tuple[torch.Tensor, float, Any]:
-        """``(flat, pre, micro)``: the flat buffer to reduce, its pre-division, micro-batches."""
-        if isinstance(grads, Accumulated):
-            return grads.grads, 1.0, grads.count
+    def _flat_to_reduce(self, grads: Any) -> tuple[torch.Tensor, float]:
+        """``(flat, pre)``: the grads as one buffer in the reduce dtype, pre-divided by ``pre``.
+
+        Summing N scaled FP16 grads can overflow by itself: reduce in FP32 (default), or in
+        the param dtype with FSDP's split of the 1/N (``pre`` ~ sqrt(N) before, the rest after).
+        """
         leaves = checks.check_like_layout(grads, self.layout, what="grads", device=self.device)
         n = self.comm.world_size
-        if n == 1:
-            return flatten(grads, self.layout, dtype=leaves[0].dtype), 1.0, 1
+        if n == 1:  # no reduction: keep the grads' dtype, the step's FP32 cast fuses
+            return flatten(grads, self.layout, dtype=leaves[0].dtype), 1.0
         if self.reduce_dtype == torch.float32:
-            return flatten(grads, self.layout, dtype=torch.float32), 1.0, 1
+            return flatten(grads, self.layout, dtype=torch.float32), 1.0
         pre = predivide_factor(n)
-        return flatten(grads, self.layout, dtype=self.reduce_dtype).div_(pre), pre, 1
+        return flatten(grads, self.layout, dtype=self.reduce_dtype).div_(pre), pre
+
+    def _reduce(self, grads: Any) -> tuple[torch.Tensor, float, Any]:
+        """``(shard, pre, micro)``: this rank's ``[S]`` sum over ranks, its pre-division, and
+        the number of micro-batches summed."""
+        if isinstance(grads, Accumulated):
+            if self.stage == 2:  # reduced at every micro-batch already
+                return grads.grads, self._stage2_pre(), grads.count
+            return self.comm.reduce_scatter_sum(grads.grads, self.layout), 1.0, grads.count
+        flat, pre = self._flat_to_reduce(grads)
+        return self.comm.reduce_scatter_sum(flat, self.layout), pre, 1
+
+    def _stage2_pre(self) -> float:
+        n = self.comm.world_size
+        return 1.0 if n == 1 or self.reduce_dtype == torch.float32 else predivide_factor(n)
 
     def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:
         """Add one micro-batch's grads to ``acc`` (``None`` starts a new sum); pass the result
         to ``step`` in place of grads for one update over all micro-batches.
 
-        Costs an FP32 buffer of the full padded size (4P bytes) per rank. Keep the loss scale
-        fixed while accumulating (it only changes in ``step``): an inf/NaN in any micro-batch
-        makes the sum non-finite, so the whole update is skipped.
+        Stage 1 keeps an FP32 buffer of the full padded size (4P bytes per rank) and
+        reduce-scatters once, in ``step``. Stage 2 reduce-scatters every micro-batch and sums
+        only this rank's shard in FP32 (4P/N bytes). Keep the loss scale fixed while
+        accumulating (it only changes in ``step``): an inf/NaN in any micro-batch makes the sum
+        non-finite, so the whole update is skipped.
         """
         self._ready()
-        checks.check_like_layout(grads, self.layout, what="grads", device=self.device)
-        flat = flatten(grads, self.layout, dtype=torch.float32)
+        if self.stage == 2:
+            flat, _ = self._flat_to_reduce(grads)
+            part = self.comm.reduce_scatter_sum(flat, self.layout).float()
+        else:
+            checks.check_like_layout(grads, self.layout, what="grads", device=self.device)
+            part = flatten(grads, self.layout, dtype=torch.float32)
         if acc is None:
-            return Accumulated(flat, torch.ones((), dtype=torch.int32, device=self.device))
-        return Accumulated(acc.grads + flat, acc.count + 1)
+            return Accumulated(part, torch.ones((), dtype=torch.int32, device=self.device))
+        return Accumulated(acc.grads + part, acc.count + 1)
 
     def _ready(self) -> tuple[Layout, Comm]:
         if self.layout is None:
@@ -230,11 +275,13 @@ def zero1(
     group=None,
     reduce_dtype: torch.dtype = torch.float32,
     alignment: int = 64,
-    bucket_numel: int | None = None,
+    bucket_bytes: int | None = None,
+    stage: int = 1,
+    offload: str | None = None,
     donate: bool = False,
     simulate: tuple[int, int] | None = None,
 ) -> Engine:
-    """A ZeRO-1 engine for gradient transformation ``tx``.
+    """A ZeRO engine (stage 1 by default) for gradient transformation ``tx``.
 
     Args:
       param_dtype: dtype of the model params the user sees: fp16, bf16 or fp32.
@@ -243,8 +290,15 @@ def zero1(
       group: a ProcessGroup; ``None`` = WORLD if torch.distributed is initialized, else one process.
       reduce_dtype: dtype of the gradient reduce-scatter: FP32 (default; 2x the wire bytes of
         FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
-      alignment: each rank's shard is a multiple of this many elements.
-      bucket_numel: elements per bucket (``None``: one bucket).
+      alignment: each rank's slice of each bucket is a multiple of this many elements.
+      bucket_bytes: split the flat buffer into buckets of about this many param bytes, each
+        sharded across all ranks (one reduce-scatter and all-gather per bucket), filled in
+        reverse leaf order; ``None`` (default): one bucket.
+      stage: 1, or 2 for gradient accumulation that reduce-scatters every micro-batch and keeps
+        only this rank's FP32 shard of the sum (see ``Engine.accumulate``).
+      offload: ``"cpu"`` keeps master weights and transform state in (pinned) host memory and
+        runs the update there; params and grads stay on their device. Each step then waits
+        for its grads on the host (a device->host copy), by construction.
       donate: ``step`` writes the new optimizer state into the input ``state``'s buffers and
         returns them (JAX's ``donate_argnums``): the input state must not be used again. With
         ``torch.compile`` the FP32 state then exists once during the step; without, the step
@@ -259,7 +313,9 @@ def zero1(
         group=group,
         reduce_dtype=reduce_dtype,
         alignment=alignment,
-        bucket_numel=bucket_numel,
+        bucket_bytes=bucket_bytes,
+        stage=stage,
+        offload=offload,
         donate=donate,
         simulate=simulate,
     )

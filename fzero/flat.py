@@ -4,12 +4,16 @@ Leaf order is optree's: ``optree.tree_flatten`` order, in which dict keys are *s
 (not insertion order), lists/tuples/NamedTuples go field by field, and ``None`` is an empty
 subtree. Leaf ``i`` occupies ``flat[offsets[i] : offsets[i] + numel_i]``.
 
-The buffer is cut into buckets of consecutive leaves (one bucket by default). Each bucket is
-zero-padded to ``N * S_b`` elements, ``S_b`` a multiple of ``alignment``, so it splits into
-``N`` equal contiguous shards; rank ``r`` owns ``bucket[r*S_b : (r+1)*S_b]`` of every bucket,
-and its *shard* is the concatenation of those slices (``S = sum_b S_b`` elements). A
-parameter may straddle two ranks. With one bucket the padding is ``< N * alignment``
-elements and rank ``r`` owns ``flat[r*S : (r+1)*S]``.
+One bucket (the default) holds every leaf in that order. With ``bucket_numel`` the leaves are
+packed into buckets in *reverse* leaf order -- for a params pytree listed in forward order, the
+order backward produces their grads, so the first bucket's grads are complete first -- each
+bucket closed once it holds ``bucket_numel`` elements (a leaf is never split across buckets).
+
+Each bucket is zero-padded to ``N * S_b`` elements, ``S_b`` a multiple of ``alignment``, so it
+splits into ``N`` equal contiguous shards; rank ``r`` owns ``bucket[r*S_b : (r+1)*S_b]`` of
+every bucket (as Megatron's DistributedOptimizer does), and its *shard* is the concatenation of
+those slices (``S = sum_b S_b`` elements). A parameter may straddle two ranks. With one bucket
+the padding is ``< N * alignment`` elements and rank ``r`` owns ``flat[r*S : (r+1)*S]``.
 """
 from __future__ import annotations
 
@@ -38,10 +42,10 @@ def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-    """Consecutive leaves ``[first_leaf, last_leaf)`` at ``flat[start : start + world_size*shard]``."""
+    """Leaves ``leaves`` (indices in tree order), laid out in that order at
+    ``flat[start : start + world_size*shard]``."""
 
-    first_leaf: int
-    last_leaf: int
+    leaves: tuple[int, ...]
     start: int
     numel: int  # unpadded
     shard: int  # elements per rank
@@ -93,8 +97,8 @@ def make_layout(
 ) -> Layout:
     """Lay out the leaves of ``tree`` (tensors or anything with ``.shape``) for ``world_size`` ranks.
 
-    ``bucket_numel``: start a new bucket once a bucket holds at least this many elements
-    (a leaf is never split across buckets); ``None`` = one bucket.
+    ``bucket_numel``: buckets of at least this many elements (but the last), filled in reverse
+    leaf order; ``None`` = one bucket in leaf order.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -103,7 +107,9 @@ def make_layout(
     numels = [math.prod(s) for s in shapes]
     groups: list[list[int]] = [[]]
     filled = 0
-    for i, n in enumerate(numels):
+    order = range(len(leaves)) if bucket_numel is None else reversed(range(len(leaves)))
+    for i in order:
+        n = numels[i]
         if bucket_numel is not None and groups[-1] and filled >= bucket_numel:
             groups.append([])
             filled = 0
@@ -119,8 +125,7 @@ def make_layout(
             pos += numels[i]
         numel = pos - start
         shard = max(1, math.ceil(numel / (world_size * alignment))) * alignment
-        first = group[0] if group else 0
-        buckets.append(Bucket(first, first + len(group), start, numel, shard))
+        buckets.append(Bucket(tuple(group), start, numel, shard))
         start += world_size * shard
     return Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
 
@@ -137,7 +142,7 @@ def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> t
     device = leaves[0].device
     parts = []
     for b in layout.buckets:
-        parts += [leaf.reshape(-1) for leaf in leaves[b.first_leaf : b.last_leaf]]
+        parts += [leaves[i].reshape(-1) for i in b.leaves]
         parts.append(torch.zeros(layout.world_size * b.shard - b.numel, dtype=dtype, device=device))
     if torch.compiler.is_compiling():
         return torch.cat([p.to(dtype) for p in parts])
@@ -178,7 +183,7 @@ def tree_shard(tree: Any, layout: Layout, rank: int, *, dtype: torch.dtype) -> t
     out = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
     pos = 0
     for bucket, (lo, hi) in zip(layout.buckets, layout.shard_ranges(rank)):
-        for i in range(bucket.first_leaf, bucket.last_leaf):
+        for i in bucket.leaves:
             a, b = layout.offsets[i], layout.offsets[i] + math.prod(layout.shapes[i])
             s, e = max(a, lo), min(b, hi)
             if s < e:

@@ -1,0 +1,97 @@
+"""Collectives: counts and wire bytes per step, buckets, stage 2, offload -- on gloo ranks."""
+import optree
+import pytest
+import torch
+
+import fzero
+import fzero.comm
+import transforms
+from distributed import run_ranks
+from test_engine import grads_like, odd_params
+
+STEPS = 3
+
+
+def count_collectives():
+    """Wrap the functional collectives fzero calls; return the live counter dict."""
+    counts = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}  # calls, bytes
+
+    def wrap(name, fn, out_bytes=False):
+        def f(x, *a, **k):
+            y = fn(x, *a, **k)
+            counts[name][0] += 1
+            counts[name][1] += (y if out_bytes else x).numel() * x.element_size()
+            return y
+        return f
+
+    fzero.comm._reduce_scatter = wrap("reduce_scatter", fzero.comm._reduce_scatter)
+    fzero.comm._all_gather = wrap("all_gather", fzero.comm._all_gather, out_bytes=True)
+    fzero.comm._all_reduce = wrap("all_reduce", fzero.comm._all_reduce)
+    return counts
+
+
+def train(rank, world_size, configs):
+    counts = count_collectives()
+    p0 = odd_params()
+    out = []
+    for cfg in configs:
+        cfg = dict(cfg)
+        micro = cfg.pop("micro", 1)
+        engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=torch.float16,
+                             loss_scale=fzero.StaticLossScale(8.0), **cfg)
+        params, state, ss = engine.init(p0)
+        for c in counts.values():
+            c[:] = [0, 0]
+        for step in range(STEPS):
+            acc = None
+            for m in range(micro):
+                g = optree.tree_map(lambda x: (x * 8).half(), grads_like(p0, 100 * step + 10 * rank + m))
+                acc = g if micro == 1 else engine.accumulate(acc, g)
+            params, state, ss, info = engine.step(params, acc, state, ss)
+        out.append({
+            "params": torch.cat([x.reshape(-1) for x in optree.tree_leaves(params)]),
+            "norm": info["grad_norm"],
+            "master": state.master,
+            "counts": {k: list(v) for k, v in counts.items()},
+            "buckets": len(engine.layout.buckets),
+            "padded": engine.layout.padded_numel,
+            "state_device": str(state.master.device),
+        })
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_buckets_counts_bytes_stage2_offload(world_size):
+    configs = [
+        {},                                             # 0: one bucket
+        {"bucket_bytes": 40},                           # 1: 20 fp16 elements per bucket
+        {"bucket_bytes": 40, "reduce_dtype": torch.float16},
+        {"micro": 3},                                   # 3: stage 1 accumulation
+        {"micro": 3, "stage": 2},                       # 4: stage 2 accumulation
+        {"offload": "cpu"},                             # 5: state in host memory
+    ]
+    out = run_ranks(train, world_size, configs)
+    for r in out:
+        one, bucketed, low, acc1, acc2, off = r
+        # every layout and mode computes the same params, bitwise
+        assert torch.equal(bucketed["params"], one["params"])
+        assert torch.equal(off["params"], one["params"])
+        torch.testing.assert_close(bucketed["norm"], one["norm"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(acc2["master"], acc1["master"], rtol=1e-6, atol=1e-7)  # stage 2 == stage 1
+        torch.testing.assert_close(low["params"], one["params"], rtol=2e-3, atol=1e-3)  # FP16 reduce: FP16-close
+        assert bucketed["buckets"] > 1
+        # per step: one reduce-scatter and one all-gather per bucket, one 4-byte all-reduce
+        for res in (one, bucketed, low):
+            b = res["buckets"]
+            assert res["counts"]["reduce_scatter"][0] == STEPS * b
+            assert res["counts"]["all_gather"][0] == STEPS * b
+            assert res["counts"]["all_reduce"] == [STEPS, STEPS * 4]
+        # wire bytes: FP16 reduce + FP16 gather = the buffer twice = one DDP (ring) all-reduce
+        assert low["counts"]["reduce_scatter"][1] == STEPS * 2 * low["padded"]
+        assert low["counts"]["all_gather"][1] == STEPS * 2 * low["padded"]
+        assert one["counts"]["reduce_scatter"][1] == STEPS * 4 * one["padded"]  # FP32 reduce: 2x
+        # stage 2 reduce-scatters each micro-batch; stage 1 once per step
+        assert acc1["counts"]["reduce_scatter"][0] == STEPS
+        assert acc2["counts"]["reduce_scatter"][0] == STEPS * 3
+        assert acc2["counts"]["all_gather"][0] == STEPS
+        assert off["state_device"] == "cpu"
