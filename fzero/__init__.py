@@ -1,10 +1,13 @@
 """fzero: functional mixed-precision AdamW with ZeRO-1 optimizer-state sharding."""
+from .comm import CollectiveError
+from .diagnostics import nonfinite_leaves
 from .engine import Accumulated, Engine, ZeroState, zero1
 from .flat import Layout, flatten, make_layout, shard_of, tree_shard, unflatten
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale, scale_loss
 
 __all__ = [
     "Accumulated",
+    "CollectiveError",
     "DynamicLossScale",
     "Engine",
     "Layout",
@@ -14,6 +17,7 @@ __all__ = [
     "ZeroState",
     "flatten",
     "make_layout",
+    "nonfinite_leaves",
     "scale_loss",
     "shard_of",
     "tree_shard",

@@ -53,9 +53,12 @@ def _first_structure_difference(tree: Any, layout: Layout) -> str:
     return "the container types differ"
 
 
-def check_like_layout(tree: Any, layout: Layout, *, what: str, device: torch.device) -> list[torch.Tensor]:
-    """Check ``tree`` has the layout's structure and shapes, floating leaves on ``device``;
-    return its leaves. ``what`` names the argument in errors ("grads", "params")."""
+def check_like_layout(
+    tree: Any, layout: Layout, *, what: str, device: torch.device, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """Check ``tree`` has the layout's structure and shapes, floating leaves of ``dtype`` (if
+    given) on ``device``, none requiring grad; return its leaves. ``what`` names the argument
+    in errors ("grads", "params"). Non-contiguous leaves are fine: every leaf is copied."""
     leaves = optree.tree_leaves(tree)
     # Dynamo cannot trace a PyTreeSpec comparison; a compiled step still checks the leaf count
     # and every shape below, and guards on the structure it was traced with.
@@ -68,6 +71,13 @@ def check_like_layout(tree: Any, layout: Layout, *, what: str, device: torch.dev
             raise ValueError(f"{what} leaf {path!r} has shape {tuple(leaf.shape)}, expected {tuple(shape)}")
         if not leaf.is_floating_point():
             raise TypeError(f"{what} leaf {path!r} has dtype {leaf.dtype}, expected a floating dtype")
+        if dtype is not None and leaf.dtype != dtype:
+            raise TypeError(f"{what} leaf {path!r} has dtype {leaf.dtype}, expected {dtype} (the engine's param_dtype)")
         if leaf.device != device:
-            raise ValueError(f"{what} leaf {path!r} is on {leaf.device}, the optimizer state is on {device}")
+            raise ValueError(f"{what} leaf {path!r} is on {leaf.device}, the params are on {device}")
+        if leaf.requires_grad:
+            raise ValueError(
+                f"{what} leaf {path!r} requires grad; pass plain tensors (torch.func.grad returns them; "
+                "for autograd results use .detach())"
+            )
     return leaves

@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 
 from .flat import Layout, shard_of
 
-__all__ = ["Comm", "resolve_group"]
+__all__ = ["Comm", "CollectiveError", "resolve_group"]
 
 # torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -28,6 +28,10 @@ _all_reduce = funcol.all_reduce
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer died, timed out, or disagreed); names the collective and rank."""
 
 
 def resolve_group(group):
@@ -79,6 +83,17 @@ class Comm:
                 "re-run engine.init (or load a checkpoint) at the new world size"
             )
 
+    def _call(self, what: str, fn, *args) -> torch.Tensor:
+        """Run one functional collective and wait for it; in eager mode a failure (e.g. a dead
+        peer: gloo/NCCL raise after the process group's timeout at the latest) is re-raised
+        naming the collective and this rank."""
+        if torch.compiler.is_compiling():
+            return _wait(fn(*args))
+        try:
+            return _wait(fn(*args))
+        except RuntimeError as e:
+            raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
+
     def reduce_scatter_sum(self, flat: torch.Tensor, layout: Layout) -> torch.Tensor:
         """``[padded_numel]`` -> this rank's ``[S]`` shard of the elementwise sum over ranks."""
         if self.world_size == 1:
@@ -86,8 +101,11 @@ class Comm:
         if self.simulated:
             return shard_of(flat, layout, self.rank) * self.world_size
         parts = [
-            _wait(_reduce_scatter(flat[b.start : b.start + self.world_size * b.shard], "sum", 0, self.group))
-            for b in layout.buckets
+            self._call(
+                f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {self.world_size * b.shard} elements)",
+                _reduce_scatter, flat[b.start : b.start + self.world_size * b.shard], "sum", 0, self.group,
+            )
+            for i, b in enumerate(layout.buckets)
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -102,8 +120,9 @@ class Comm:
                 pos += b.shard
             return torch.cat(parts)
         parts, pos = [], 0
-        for b in layout.buckets:
-            parts.append(_wait(_all_gather(shard[pos : pos + b.shard], 0, self.group)))
+        for i, b in enumerate(layout.buckets):
+            what = f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
+            parts.append(self._call(what, _all_gather, shard[pos : pos + b.shard], 0, self.group))
             pos += b.shard
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -113,7 +132,7 @@ class Comm:
             return x
         if self.simulated:
             return x * self.world_size
-        return _wait(_all_reduce(x, "sum", self.group))
+        return self._call("all_reduce of the grad norm and found_inf", _all_reduce, x, "sum", self.group)
 
     def all_gather_object(self, obj) -> list:
         """Off the hot path only (init, errors): pickles ``obj`` to every rank."""

@@ -155,11 +155,14 @@ class Engine:
 
         reduce-scatter (sum) -> unscale and average -> one all-reduce of the squared norm
         (which carries found_inf) -> transform -> keep old values if not finite -> cast ->
-        all-gather -> loss-scale update. Returns ``(params, state, scaler_state, info)`` with
-        ``info = {"found_inf", "loss_scale", "grad_norm"}`` (0-d tensors).
+        all-gather -> loss-scale update. Returns ``(params, state, scaler_state, info)``; ``info``
+        holds 0-d tensors: ``found_inf`` (bool, agreed by all ranks), ``loss_scale`` (used this
+        step), ``grad_norm`` (global L2 norm of the unscaled mean grads, before clipping) and
+        ``scale_stuck`` (bool: overflows persist at the minimum scale, see ``fzero.scaler``;
+        ``fzero.nonfinite_leaves(grads)`` then names the culprits, off the hot path).
         """
         layout, comm = self._ready()
-        checks.check_like_layout(params, layout, what="params", device=self.device)
+        checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
         scale = scaler_state.scale
 
         # 1. Sum over ranks, this rank's [S] shard only (see _reduce for the precision).
@@ -189,7 +192,12 @@ class Engine:
         new_params = unflatten(comm.all_gather(shard, layout), layout, like=params)
 
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
-        info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": grad_norm}
+        info = {
+            "found_inf": found_inf,
+            "loss_scale": scale,
+            "grad_norm": grad_norm,
+            "scale_stuck": self.loss_scale.stuck(scaler_state),
+        }
         new_state = ZeroState(master, tx_state)
         if self.donate:
             new_state = _write_into(state, new_state)
@@ -201,7 +209,7 @@ class Engine:
         Summing N scaled FP16 grads can overflow by itself: reduce in FP32 (default), or in
         the param dtype with FSDP's split of the 1/N (``pre`` ~ sqrt(N) before, the rest after).
         """
-        leaves = checks.check_like_layout(grads, self.layout, what="grads", device=self.device)
+        leaves = checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
         n = self.comm.world_size
         if n == 1:  # no reduction: keep the grads' dtype, the step's FP32 cast fuses
             return flatten(grads, self.layout, dtype=leaves[0].dtype), 1.0
@@ -239,7 +247,7 @@ class Engine:
             flat, _ = self._flat_to_reduce(grads)
             part = self.comm.reduce_scatter_sum(flat, self.layout).float()
         else:
-            checks.check_like_layout(grads, self.layout, what="grads", device=self.device)
+            checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
             part = flatten(grads, self.layout, dtype=torch.float32)
         if acc is None:
             return Accumulated(part, torch.ones((), dtype=torch.int32, device=self.device))

@@ -16,6 +16,11 @@ Dynamic rule (Megatron's DynamicGradScaler with torch's GradScaler defaults and 
 * clean step: ``good_steps += 1``; once ``good_steps == growth_interval``:
   ``scale = min(scale * growth_factor, max_scale)``, ``good_steps = 0``,
   ``hysteresis = hysteresis`` (refilled).
+
+Stuck scale: ``stuck_steps`` counts consecutive overflowing steps taken *at* ``min_scale`` (for a
+static scale: at that scale). ``policy.stuck(state)`` is true once it reaches ``stuck_after``:
+backing off cannot help any more, the grads are non-finite by themselves (DeepSpeed's endless
+"loss scale 1, reducing to 1"). The engine reports it as ``info["scale_stuck"]``.
 """
 from __future__ import annotations
 
@@ -36,19 +41,23 @@ __all__ = [
 class LossScaleState(NamedTuple):
     """``scale``: 0-d fp32, the factor the loss is multiplied by.
     ``good_steps``: 0-d int32, consecutive finite steps since the last change.
-    ``hysteresis``: 0-d int32, overflows left before the next backoff."""
+    ``hysteresis``: 0-d int32, overflows left before the next backoff.
+    ``stuck_steps``: 0-d int32, consecutive overflowing steps at the minimum scale."""
 
     scale: torch.Tensor
     good_steps: torch.Tensor
     hysteresis: torch.Tensor
+    stuck_steps: torch.Tensor
 
 
 def _state(scale: float, hysteresis: int, device) -> LossScaleState:
-    return LossScaleState(
-        torch.tensor(float(scale), dtype=torch.float32, device=device),
-        torch.zeros((), dtype=torch.int32, device=device),
-        torch.tensor(hysteresis, dtype=torch.int32, device=device),
-    )
+    int0 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)
+    return LossScaleState(torch.tensor(float(scale), dtype=torch.float32, device=device), int0(0), int0(hysteresis), int0(0))
+
+
+def _stuck_steps(state: LossScaleState, found_inf: torch.Tensor, min_scale: float) -> torch.Tensor:
+    at_min = found_inf & (state.scale <= min_scale)
+    return torch.where(at_min, state.stuck_steps + 1, torch.zeros_like(state.stuck_steps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +71,25 @@ class DynamicLossScale:
     hysteresis: int = 1
     min_scale: float = 1.0
     max_scale: float = 2.0**24
+    stuck_after: int = 10
 
     def __post_init__(self):
         if not (self.growth_factor >= 1.0 and 0.0 < self.backoff_factor <= 1.0):
             raise ValueError(f"need growth_factor >= 1 and 0 < backoff_factor <= 1, got {self}")
         if not (0 < self.min_scale <= self.init_scale <= self.max_scale):
             raise ValueError(f"need 0 < min_scale <= init_scale <= max_scale, got {self}")
-        if self.growth_interval < 1 or self.hysteresis < 1:
-            raise ValueError(f"growth_interval and hysteresis must be >= 1, got {self}")
+        if self.growth_interval < 1 or self.hysteresis < 1 or self.stuck_after < 1:
+            raise ValueError(f"growth_interval, hysteresis and stuck_after must be >= 1, got {self}")
 
     def init(self, device=None) -> LossScaleState:
         return _state(self.init_scale, self.hysteresis, device)
 
+    def stuck(self, state: LossScaleState) -> torch.Tensor:
+        """0-d bool: ``stuck_after`` consecutive overflows at ``min_scale``."""
+        return state.stuck_steps >= self.stuck_after
+
     def update(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
-        scale, good, hyst = state
+        scale, good, hyst, _ = state
         hyst_after_inf = (hyst - 1).clamp(min=0)
         backoff = found_inf & (hyst_after_inf <= 0)
         good_next = torch.where(found_inf, torch.zeros_like(good), good + 1)
@@ -89,7 +103,7 @@ class DynamicLossScale:
         new_hyst = torch.where(
             found_inf, hyst_after_inf, torch.where(grow, torch.full_like(hyst, self.hysteresis), hyst)
         )
-        return LossScaleState(new_scale, new_good, new_hyst)
+        return LossScaleState(new_scale, new_good, new_hyst, _stuck_steps(state, found_inf, self.min_scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,7 @@ class StaticLossScale:
     """A fixed scale; overflowing steps are still skipped, the scale never changes."""
 
     scale: float
+    stuck_after: int = 10
 
     def __post_init__(self):
         if not self.scale > 0:
@@ -105,8 +120,12 @@ class StaticLossScale:
     def init(self, device=None) -> LossScaleState:
         return _state(self.scale, 1, device)
 
+    def stuck(self, state: LossScaleState) -> torch.Tensor:
+        """0-d bool: ``stuck_after`` consecutive overflowing steps."""
+        return state.stuck_steps >= self.stuck_after
+
     def update(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
-        return state
+        return state._replace(stuck_steps=_stuck_steps(state, found_inf, self.scale))
 
 
 @dataclasses.dataclass(frozen=True)

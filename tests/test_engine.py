@@ -67,7 +67,8 @@ def test_init_does_not_touch_user_params_and_params_are_views_of_one_buffer():
     copy = optree.tree_map(torch.clone, p0)
     engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
     params, state, _ = engine.init(p0)
-    params, *_ = engine.step(params, grads_like(p0, 0), state, _)
+    grads = optree.tree_map(lambda g: g.half(), grads_like(p0, 0))
+    params, *_ = engine.step(params, grads, state, _)
     assert tree_equal(p0, copy)
     leaves = optree.tree_leaves(params)
     base = leaves[0].untyped_storage().data_ptr()
@@ -171,7 +172,37 @@ def ready():
     p0 = odd_params()
     engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
     params, state, ss = engine.init(p0)
-    return engine, params, state, ss, grads_like(p0, 0)
+    return engine, params, state, ss, optree.tree_map(lambda g: g.half(), grads_like(p0, 0))
+
+
+def test_grads_wrong_dtype_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["w"] = grads["w"].float()
+    with pytest.raises(TypeError, match="grads leaf 'w' has dtype torch.float32, expected torch.float16"):
+        engine.step(params, grads, state, ss)
+
+
+def test_grads_requiring_grad_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["one"] = grads["one"].requires_grad_()
+    with pytest.raises(ValueError, match="grads leaf 'one' requires grad"):
+        engine.step(params, grads, state, ss)
+
+
+def test_params_not_from_the_engine_are_rejected(ready):
+    engine, params, state, ss, grads = ready
+    params["w"] = params["w"].float()
+    with pytest.raises(TypeError, match="params leaf 'w' has dtype torch.float32"):
+        engine.step(params, grads, state, ss)
+
+
+def test_non_contiguous_grads_are_accepted(ready):
+    engine, params, state, ss, grads = ready
+    grads["w"] = grads["w"].t().contiguous().t()  # same values, transposed strides
+    assert not grads["w"].is_contiguous()
+    _, new_state, _, info = engine.step(params, grads, state, ss)
+    _, ref_state, _, _ = engine.step(params, {**grads, "w": grads["w"].contiguous()}, state, ss)
+    assert torch.equal(new_state.master, ref_state.master)
 
 
 def test_grads_structure_mismatch_names_leaf(ready):
@@ -329,3 +360,10 @@ def test_simulated_ranks_hold_their_shard_of_the_one_process_state(world_size):
         shards.append(s.master)
     master = torch.cat(shards)[: sim.layout.numel]
     torch.testing.assert_close(master, state.master[: sim.layout.numel], rtol=1e-6, atol=1e-7)
+
+
+def test_grads_on_another_device_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["blocks"][1]["g"] = grads["blocks"][1]["g"].to("meta")
+    with pytest.raises(ValueError, match="grads leaf 'blocks/1/g' is on meta, the params are on cpu"):
+        engine.step(params, grads, state, ss)

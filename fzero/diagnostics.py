@@ -1,0 +1,19 @@
+"""Diagnostics for the rare event, off the hot path (they read tensor values: host syncs)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .flat import leaf_paths
+
+__all__ = ["nonfinite_leaves"]
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+    """Paths of the leaves of ``tree`` holding an inf or NaN, e.g. ``["blocks/3/mlp/fc_w"]``.
+
+    Call it when ``info["scale_stuck"]`` (or a run of ``found_inf``) says something is wrong,
+    not every step: it syncs with the device once per leaf."""
+    paths, leaves, _ = leaf_paths(tree)
+    return [p for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and not bool(torch.isfinite(x).all())]
