@@ -15,15 +15,17 @@ A checkpoint is a directory::
 
 **Global coordinates.** Every ``[S]`` leaf of the optimizer state (FP32 master, Adam moments,
 bool masks) is a slice of one virtual ``[P]`` vector: the params' leaves concatenated in tree
-order, *without* padding. Rank ``r``'s file holds, under the leaf's path as key
-(``"master"``, ``"tx_state/1/0/mu"``, ``"tx_state/1/1/mask"``), the real elements of its shard
-in increasing global order; the manifest lists which global ranges (``segments``) that file
-holds. Padding is never stored, so nothing in a checkpoint depends on the world size, the
-alignment or the bucketing it was saved with: a load at any world size (and any
-``alignment``/``bucket_bytes``) maps the new rank's shard to global ranges and reads, from
-each old file that overlaps them, only those element ranges (``safe_open(...).get_slice(key)[a:b]``,
-a memory map: the bytes read are the bytes needed). Padding comes back as zeros, which is what
-the step keeps it at (zero grads, zero weights, zero moments).
+order, *without* padding. Rank ``r``'s file holds, under the state leaf's path as key
+(``"master"``, ``"tx_state/0/mu"``, ``"tx_state/1/mask"`` for ``adamw`` with a decay mask), the
+real elements of its shard in increasing global order; the manifest lists which global ranges
+(``segments``) each file holds. Padding is never stored, so nothing in a checkpoint depends on
+the world size, the alignment or the bucketing it was saved with: a load at any world size (and
+any ``alignment``/``bucket_bytes``) maps the new rank's shard to global ranges and reads, from
+each old file that overlaps them, only those element ranges (``safe_open(...).get_slice(key)[a:b]``
+on a memory map). Padding comes back as zeros, which is what the step keeps it at (zero grads,
+zero weights, zero moments). Integrity: with ``load(verify=True)`` (the default) each file is
+also hashed in full, once, by the new rank that reads most of it (so the whole checkpoint is
+read once more in total, spread over the ranks); ``verify=False`` reads only the ranges.
 
 0-d leaves (step counts, hyperparameters, the loss-scale state) are identical on every rank;
 rank 0's values are stored in the manifest as exact JSON numbers with their dtype (float64
@@ -66,7 +68,8 @@ truncated or corrupted shard, a checkpoint of another model) ends with one small
 ``all_gather_object`` of each rank's error (or ``None``); if any rank failed, *every* rank
 raises the same :class:`CheckpointError`, naming the rank(s), the file and, for a model or
 state mismatch, the leaf. No rank is left waiting in a collective for a rank that gave up.
-A rank that dies outright is reported by the process group (gloo/NCCL) to the others.
+A rank that dies outright ends the others' wait through the process group (gloo reports the
+closed connection at once; NCCL through its timeout/watchdog).
 """
 from __future__ import annotations
 
@@ -223,9 +226,11 @@ def _classify(names, leaves, shard_numel: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- collectives
-def _agree(comm, fn: Callable[[], Any]) -> list:
-    """Run ``fn`` on every rank; gather ``(error, result)``. If any rank failed, every rank
-    raises the same :class:`CheckpointError` naming the failing ranks. Returns all results."""
+def _agree(comm, fn: Callable[[], Any], *, gather: bool = False):
+    """Run ``fn`` on every rank, then one ``all_gather_object`` of each rank's error (and, with
+    ``gather``, its small picklable result). If any rank failed, every rank raises the same
+    :class:`CheckpointError` naming the failing ranks. Returns this rank's result, or with
+    ``gather`` the list of every rank's."""
     try:
         result, err, exc = fn(), None, None
     except Exception as e:  # noqa: BLE001 -- reported to every rank, then raised
@@ -235,8 +240,8 @@ def _agree(comm, fn: Callable[[], Any]) -> list:
             if isinstance(exc, CheckpointError):
                 raise exc
             raise CheckpointError(err) from exc
-        return [result]
-    gathered = comm.all_gather_object((err, result))
+        return [result] if gather else result
+    gathered = comm.all_gather_object((err, result if gather else None))
     failed: dict[str, list[int]] = {}
     for rank, (e, _) in enumerate(gathered):
         if e is not None:
@@ -244,7 +249,7 @@ def _agree(comm, fn: Callable[[], Any]) -> list:
     if failed:
         msg = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in failed.items())
         raise CheckpointError(msg) from exc
-    return [r for _, r in gathered]
+    return [r for _, r in gathered] if gather else result
 
 
 def _ready(engine: Engine):
@@ -442,6 +447,8 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
             raise CheckpointError(f"state must be the ZeroState from engine.init/step, got {type(state).__name__}")
         if optree.tree_structure(params) != layout.treespec:
             raise CheckpointError("params do not have the structure the engine was initialized with")
+        if not isinstance(scaler_state, LossScaleState):
+            raise CheckpointError(f"scaler_state must be the LossScaleState from engine.init/step, got {type(scaler_state).__name__}")
         names, leaves, _ = _state_paths(state)
         kinds = _classify(names, leaves, layout.shard_numel)
         if extra is not None and not isinstance(extra, dict):
@@ -449,11 +456,11 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
         text = json.dumps(extra if extra is not None else {})
         return names, leaves, kinds, text
 
-    names, leaves, kinds, extra_text = _agree(comm, check)[rank]
-    tmp = _agree(comm, lambda: _prepare_tmp(path) if rank == 0 else None)[0]
+    names, leaves, kinds, extra_text = _agree(comm, check)
+    tmp = _agree(comm, lambda: _prepare_tmp(path) if rank == 0 else None, gather=True)[0]
     try:
         segments = _rank_segments(layout)[rank]
-        files = _agree(comm, lambda: _write_shard(tmp, rank, n, names, leaves, kinds, segments))
+        files = _agree(comm, lambda: _write_shard(tmp, rank, n, names, leaves, kinds, segments), gather=True)
 
         def finish():
             if rank != 0:
@@ -562,8 +569,16 @@ def _check_state(manifest: dict, names, leaves, kinds, where: str) -> None:
 
 
 def _check_files(manifest: dict, root: str, numel: int) -> None:
-    covered = 0
-    for i, entry in enumerate(manifest["files"]):
+    """Every listed file exists with its recorded size; their ranges tile ``[0, P)`` exactly."""
+    ranges = sorted((g0, g1) for e in manifest["files"] for g0, g1 in e["segments"])
+    end = 0
+    for g0, g1 in ranges:
+        if g0 != end or g1 <= g0:
+            raise CheckpointError(f"{root}/{MANIFEST}: the shard files' ranges do not tile [0, {numel}) (at {g0})")
+        end = g1
+    if end != numel:
+        raise CheckpointError(f"{root}/{MANIFEST}: the shard files cover {end} of {numel} elements")
+    for entry in manifest["files"]:
         file = os.path.join(root, entry["file"])
         if os.path.basename(entry["file"]) != entry["file"]:
             raise CheckpointError(f"{root}/{MANIFEST}: bad file name {entry['file']!r}")
@@ -572,9 +587,6 @@ def _check_files(manifest: dict, root: str, numel: int) -> None:
         size = os.path.getsize(file)
         if size != entry["bytes"]:
             raise CheckpointError(f"shard file {file} has {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
-        covered += sum(g1 - g0 for g0, g1 in entry["segments"])
-    if covered != numel:
-        raise CheckpointError(f"{root}/{MANIFEST}: shard files cover {covered} of {numel} elements")
 
 
 def _overlaps(old_segments, new_segments):
@@ -652,15 +664,18 @@ def load(path, engine: Engine, *, verify: bool = True):
         root = _resolve(path)
         manifest = read_manifest(root)
         where = os.path.join(root, MANIFEST)
-        _check_model(manifest, layout, where)
         template, scaler = _template(engine)
         names, leaves, spec = _state_paths(template)
         kinds = _classify(names, leaves, layout.shard_numel)
-        _check_state(manifest, names, leaves, kinds, where)
-        _check_files(manifest, root, layout.numel)
+        try:
+            _check_model(manifest, layout, where)
+            _check_state(manifest, names, leaves, kinds, where)
+            _check_files(manifest, root, layout.numel)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
         return root, manifest, (names, leaves, spec, kinds, scaler)
 
-    root, manifest, (names, leaves, spec, kinds, scaler) = _agree(comm, open_manifest)[rank]
+    root, manifest, (names, leaves, spec, kinds, scaler) = _agree(comm, open_manifest)
     files = manifest["files"]
 
     if verify:
@@ -718,11 +733,10 @@ def load(path, engine: Engine, *, verify: bool = True):
                         if src.dtype != out[i].dtype:
                             raise CheckpointError(f"shard file {file}: state leaf {name!r} is {src.dtype}, expected {out[i].dtype}")
                         out[i][spos : spos + m].copy_(src)
-        return out
+        return out, _restore_scaler(manifest["loss_scale"], scaler, engine)
 
-    new_leaves = _agree(comm, read)[rank]
+    new_leaves, scaler = _agree(comm, read)
     state = spec.unflatten(new_leaves)
-    scaler = _restore_scaler(manifest["loss_scale"], scaler, engine)
     with torch.no_grad():
         shard = state.master.to(engine.param_dtype, copy=True).to(engine.device)
         params = unflatten(comm.all_gather(shard, layout), layout)

@@ -95,3 +95,52 @@ def test_buckets_counts_bytes_stage2_offload(world_size):
         assert acc2["counts"]["reduce_scatter"][0] == STEPS * 3
         assert acc2["counts"]["all_gather"][0] == STEPS
         assert off["state_device"] == "cpu"
+
+
+def dead_peer(rank, world_size):
+    import os
+
+    from distributed import init_group
+
+    init_group(rank, world_size, timeout=20)
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    params, state, ss = engine.init(odd_params())
+    if rank == 1:
+        os._exit(3)  # dies between init and the first step
+    grads = optree.tree_map(lambda x: x.half(), grads_like(odd_params(), 0))
+    try:
+        engine.step(params, grads, state, ss)
+    except fzero.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_rank_makes_the_others_fail_naming_the_collective():
+    import time
+
+    t0 = time.time()
+    out = run_ranks(dead_peer, 2, init=False, may_die=(1,), timeout=120)
+    assert out[1] is None
+    assert "fzero: reduce_scatter of grads (bucket 0 of 1" in out[0] and "failed on rank 0 of 2" in out[0], out[0]
+    assert time.time() - t0 < 90  # bounded by the group's 20 s timeout (plus start-up), no hang
+
+
+def never_joins(rank, world_size):
+    import time
+
+    from distributed import init_group
+
+    if rank == 1:
+        return "absent"
+    t0 = time.time()
+    try:
+        init_group(rank, world_size, timeout=5)
+    except Exception as e:  # torch raises DistStoreError / RuntimeError depending on version
+        return f"{type(e).__name__} after {time.time() - t0:.0f}s: {e}"
+    return "joined"
+
+
+def test_a_rank_that_never_joins_times_out_instead_of_hanging():
+    out = run_ranks(never_joins, 2, init=False, timeout=120)
+    assert out[1] == "absent"
+    assert out[0] != "joined" and "after" in out[0], out[0]

@@ -149,3 +149,10 @@ def test_clipping_masks_schedules_across_ranks_equal_one_process(world_size):
         torch.testing.assert_close(r["norms"], torch.stack(norms), rtol=1e-6, atol=0)
     master = torch.cat([r["master"] for r in out])[: out[0]["numel"]]
     torch.testing.assert_close(master, state.master[: out[0]["numel"]], rtol=1e-6, atol=1e-7)
+
+
+def test_two_runs_with_the_same_seed_are_bitwise_identical():
+    a = run_ranks(train, 2, torch.float16, torch.float16)
+    b = run_ranks(train, 2, torch.float16, torch.float16)
+    for ra, rb in zip(a, b):
+        assert torch.equal(ra["flat_params"], rb["flat_params"]) and torch.equal(ra["master"], rb["master"])

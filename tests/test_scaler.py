@@ -74,3 +74,23 @@ def test_static_never_changes_and_scale_loss():
 def test_bad_config_raises(bad):
     with pytest.raises(ValueError):
         DynamicLossScale(**bad)
+
+
+def test_stuck_after_k_overflows_at_min_scale_and_reset_by_a_clean_step():
+    p = DynamicLossScale(init_scale=4.0, min_scale=1.0, stuck_after=3)
+    s = p.init()
+    flags = []
+    for inf in [True] * 2 + [True] * 3 + [False] + [True] * 2:
+        s = p.update(s, torch.tensor(inf))
+        flags.append((s.scale.item(), s.stuck_steps.item(), bool(p.stuck(s))))
+    # 4 -> 2 -> 1 (two backoffs), then three overflows at scale 1 -> stuck; a clean step resets
+    assert flags == [(2.0, 0, False), (1.0, 0, False), (1.0, 1, False), (1.0, 2, False), (1.0, 3, True),
+                     (1.0, 0, False), (1.0, 1, False), (1.0, 2, False)]
+
+
+def test_static_scale_is_stuck_after_k_consecutive_overflows():
+    p = StaticLossScale(8.0, stuck_after=2)
+    s = p.init()
+    for inf in (True, True):
+        s = p.update(s, torch.tensor(inf))
+    assert bool(p.stuck(s)) and s.scale.item() == 8.0

@@ -1,0 +1,154 @@
+"""End-to-end tests of examples/train.py, run as users run it (subprocesses; torchrun for ranks).
+
+Small models and batches so the whole file takes about a minute on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+STEP_KEYS = {
+    "step", "loss", "val_loss", "loss_scale", "found_inf", "skipped_total",
+    "grad_norm", "step_time_s", "tokens_per_s", "opt_state_bytes",
+}
+# A small character-level GPT: 2 layers, width 64, context 32.
+SMALL_GPT = ["--model", "gpt", "--config", "nano", "--block-size", "32", "--batch-size", "8", "--eval-batches", "2"]
+
+
+def train(out: Path, *args: str, nproc: int | None = None, timeout: float = 300, check: bool = True):
+    """Run examples/train.py into ``out`` (plain python, or torchrun with ``nproc`` ranks);
+    return ``(step records, summary, completed process)``."""
+    launcher = [sys.executable]
+    if nproc is not None:  # --standalone: a private rendezvous on a free port, so runs never collide
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = launcher + [str(TRAIN), "--device", "cpu", "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True, timeout=timeout)
+    if not check:
+        return None, None, proc
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "summary" in lines[-1], "the log must end with the summary record"
+    return lines[:-1], lines[-1]["summary"], proc
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def test_two_ranks_fp16_log_is_complete_loss_falls_params_agree(tmp_path):
+    steps = 40
+    records, summary, proc = train(
+        tmp_path / "run", *SMALL_GPT, "--dtype", "fp16", "--steps", str(steps), "--eval-every", "10", nproc=2
+    )
+    # One record per step, in order, with every key and sane types.
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    skipped = 0
+    for r in records:
+        assert set(r) == STEP_KEYS
+        assert isinstance(r["found_inf"], bool)
+        skipped += r["found_inf"]
+        assert r["skipped_total"] == skipped
+        assert isinstance(r["loss"], float) and math.isfinite(r["loss"]) and r["loss"] > 0
+        if r["found_inf"]:
+            assert r["grad_norm"] is None  # non-finite: null, JSON has no inf
+        else:
+            assert isinstance(r["grad_norm"], float) and r["grad_norm"] > 0
+        assert r["loss_scale"] >= 1 and math.log2(r["loss_scale"]).is_integer()  # dynamic: powers of 2
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["opt_state_bytes"] == summary["opt_state_bytes_per_rank"]
+        if r["step"] % 10 == 0:
+            assert isinstance(r["val_loss"], float) and math.isfinite(r["val_loss"])
+        else:
+            assert r["val_loss"] is None
+    # The loss falls from ~ln(97) = 4.57.
+    first, last = mean([r["loss"] for r in records[:5]]), mean([r["loss"] for r in records[-5:]])
+    assert first > 4.0 and last < first - 0.8, (first, last)
+    assert records[-1]["val_loss"] < records[9]["val_loss"]
+    # Summary: 2 ranks, ZeRO-1 state of about 12 bytes per param / 2, identical params everywhere.
+    assert summary["world_size"] == 2 and summary["steps"] == steps
+    assert summary["skipped_steps"] == skipped
+    assert summary["final_loss"] == records[-1]["loss"]
+    assert summary["best_val_loss"] == min(r["val_loss"] for r in records if r["val_loss"] is not None)
+    p = summary["param_count"]
+    assert 12 * p / 2 <= summary["opt_state_bytes_per_rank"] <= 12 * (p / 2 + 64) + 64
+    digests = summary["params_sha256"]
+    assert len(digests) == 2 and len(set(digests)) == 1 and len(digests[0]) == 64
+    assert summary["params_identical_across_ranks"] is True
+    assert "identical on every rank" in proc.stdout
+
+
+@pytest.mark.slow
+def test_fp16_and_bf16_track_fp32(tmp_path):
+    """Same seed, same batches, 200 steps: the final loss of FP16 (dynamic loss scaling) and
+    BF16 is within 3% of FP32's (the mean train loss of the last 20 steps, and the val loss)."""
+    common = [*SMALL_GPT, "--steps", "200", "--eval-every", "0", "--eval-batches", "8"]
+    result = {}
+    for dtype in ("fp32", "fp16", "bf16"):
+        records, summary, _ = train(tmp_path / dtype, *common, "--dtype", dtype)
+        assert summary["first_loss"] > 4.0
+        result[dtype] = (mean([r["loss"] for r in records[-20:]]), summary["final_val_loss"])
+    ref_train, ref_val = result["fp32"]
+    assert ref_train < 3.0  # it learned something for the comparison to mean anything
+    for dtype in ("fp16", "bf16"):
+        train_loss, val_loss = result[dtype]
+        assert abs(train_loss - ref_train) <= 0.03 * ref_train, (dtype, result)
+        assert abs(val_loss - ref_val) <= 0.03 * ref_val, (dtype, result)
+
+
+def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
+    """Each rank takes half the rows of the same global batch: the 2-rank loss curve (mean over
+    ranks) is the 1-process curve, and so is the final val loss."""
+    common = [*SMALL_GPT, "--dtype", "fp32", "--steps", "25", "--eval-every", "0"]
+    one, one_summary, _ = train(tmp_path / "one", *common)
+    two, two_summary, _ = train(tmp_path / "two", *common, nproc=2)
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]
+    assert len(diffs) == 25 and max(diffs) < 1e-2, diffs
+    assert abs(one_summary["final_val_loss"] - two_summary["final_val_loss"]) < 1e-2
+    assert one[-1]["loss"] < one[0]["loss"] - 0.5  # it trained, so the curves say something
+    # Same number of params; each of 2 ranks holds about half the optimizer state of 1.
+    assert one_summary["param_count"] == two_summary["param_count"]
+    assert two_summary["opt_state_bytes_per_rank"] < 0.55 * one_summary["opt_state_bytes_per_rank"]
+
+
+def test_batch_size_must_divide_over_ranks(tmp_path):
+    _, _, proc = train(tmp_path / "bad", *SMALL_GPT, "--batch-size", "7", "--steps", "1", nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "--batch-size 7 must be divisible by the number of ranks (2)" in proc.stdout + proc.stderr
+
+
+def test_mlp_bf16_trains(tmp_path):
+    records, summary, _ = train(
+        tmp_path / "mlp", "--model", "mlp", "--mlp-dims", "32,128,32", "--dtype", "bf16", "--steps", "60",
+        "--batch-size", "32", "--eval-every", "30",
+    )
+    assert all(r["loss_scale"] == 1.0 for r in records)  # no loss scaling for BF16
+    assert mean([r["loss"] for r in records[-5:]]) < 0.6 * mean([r["loss"] for r in records[:5]])
+    assert summary["final_val_loss"] < 0.6 * records[0]["loss"]
+
+
+def test_profile_trace_and_plot(tmp_path):
+    trace_dir = tmp_path / "trace"
+    out = tmp_path / "run"
+    _, summary, proc = train(out, *SMALL_GPT, "--dtype", "fp32", "--steps", "6", "--profile", str(trace_dir))
+    assert summary["steps"] == 6
+    trace = json.loads((trace_dir / "trace_rank0.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    profiled = sorted(n for n in names if n.startswith("ProfilerStep#"))
+    assert profiled == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"], profiled  # wait 1, warm up 1, record 3
+    assert "aten::mm" in names
+    assert str(trace_dir) in proc.stdout
+    plot = out / "loss.png"
+    if importlib.util.find_spec("matplotlib") is None:
+        assert not plot.exists() and "matplotlib is not installed" in proc.stdout
+    else:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+        assert str(plot) in proc.stdout
