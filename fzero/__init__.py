@@ -1,4 +1,5 @@
 """fzero: functional mixed-precision AdamW with ZeRO-1 optimizer-state sharding."""
+from . import checkpoint
 from .comm import CollectiveError
 from .diagnostics import nonfinite_leaves
 from .engine import Accumulated, Engine, ZeroState, zero1
@@ -11,6 +12,7 @@ __all__ = [
     "DynamicLossScale",
     "Engine",
     "Layout",
+    "checkpoint",
     "LossScaleState",
     "NoLossScale",
     "StaticLossScale",

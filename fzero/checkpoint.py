@@ -226,11 +226,11 @@ def _classify(names, leaves, shard_numel: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- collectives
-def _agree(comm, fn: Callable[[], Any], *, gather: bool = False):
+def _agree(comm, what: str, fn: Callable[[], Any], *, gather: bool = False):
     """Run ``fn`` on every rank, then one ``all_gather_object`` of each rank's error (and, with
     ``gather``, its small picklable result). If any rank failed, every rank raises the same
     :class:`CheckpointError` naming the failing ranks. Returns this rank's result, or with
-    ``gather`` the list of every rank's."""
+    ``gather`` the list of every rank's. ``what`` names the phase in errors."""
     try:
         result, err, exc = fn(), None, None
     except Exception as e:  # noqa: BLE001 -- reported to every rank, then raised
@@ -241,14 +241,19 @@ def _agree(comm, fn: Callable[[], Any], *, gather: bool = False):
                 raise exc
             raise CheckpointError(err) from exc
         return [result] if gather else result
-    gathered = comm.all_gather_object((err, result if gather else None))
+    try:
+        gathered = comm.all_gather_object((err, result if gather else None))
+    except Exception as e:  # noqa: BLE001 -- a dead rank, a timeout: the group itself failed
+        raise CheckpointError(
+            f"{what}: rank {comm.rank} could not agree with the other ranks (did one die?): {type(e).__name__}: {e}"
+        ) from (exc or e)
     failed: dict[str, list[int]] = {}
     for rank, (e, _) in enumerate(gathered):
         if e is not None:
             failed.setdefault(e, []).append(rank)
     if failed:
         msg = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in failed.items())
-        raise CheckpointError(msg) from exc
+        raise CheckpointError(f"{what}: {msg}") from exc
     return [r for _, r in gathered] if gather else result
 
 
@@ -456,11 +461,11 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
         text = json.dumps(extra if extra is not None else {})
         return names, leaves, kinds, text
 
-    names, leaves, kinds, extra_text = _agree(comm, check)
-    tmp = _agree(comm, lambda: _prepare_tmp(path) if rank == 0 else None, gather=True)[0]
+    names, leaves, kinds, extra_text = _agree(comm, f"save {path}", check)
+    tmp = _agree(comm, f"save {path}", lambda: _prepare_tmp(path) if rank == 0 else None, gather=True)[0]
     try:
         segments = _rank_segments(layout)[rank]
-        files = _agree(comm, lambda: _write_shard(tmp, rank, n, names, leaves, kinds, segments), gather=True)
+        files = _agree(comm, f"save {path}", lambda: _write_shard(tmp, rank, n, names, leaves, kinds, segments), gather=True)
 
         def finish():
             if rank != 0:
@@ -476,7 +481,7 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
             _commit(tmp, path)
             return None
 
-        _agree(comm, finish)
+        _agree(comm, f"save {path}", finish)
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -518,17 +523,6 @@ def _manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, fi
 
 
 # ---------------------------------------------------------------------------------- load
-def _template(engine: Engine):
-    """A fresh state and scaler state of the engine's structure, as ``engine.init`` builds them."""
-    layout = engine.layout
-    device = getattr(engine, "state_device", None) or engine.device
-    master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-    # the transform's init may look at the params' shapes (masks); values are not needed
-    like = layout.treespec.unflatten([torch.zeros((), device=engine.device).expand(s) for s in layout.shapes])
-    state = ZeroState(master, engine.tx.init(master, tree=like, to_flat=engine._mask_to_shard))
-    return state, engine.loss_scale.init(engine.device)
-
-
 def _check_model(manifest: dict, layout: Layout, where: str) -> None:
     saved = manifest["layout"]["leaves"]
     have = {p: tuple(s) for p, s in zip(layout.paths, layout.shapes)}
@@ -664,7 +658,7 @@ def load(path, engine: Engine, *, verify: bool = True):
         root = _resolve(path)
         manifest = read_manifest(root)
         where = os.path.join(root, MANIFEST)
-        template, scaler = _template(engine)
+        template, scaler = engine.state_like()
         names, leaves, spec = _state_paths(template)
         kinds = _classify(names, leaves, layout.shard_numel)
         try:
@@ -675,7 +669,7 @@ def load(path, engine: Engine, *, verify: bool = True):
             raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
         return root, manifest, (names, leaves, spec, kinds, scaler)
 
-    root, manifest, (names, leaves, spec, kinds, scaler) = _agree(comm, open_manifest)
+    root, manifest, (names, leaves, spec, kinds, scaler) = _agree(comm, f"load {path}", open_manifest)
     files = manifest["files"]
 
     if verify:
@@ -690,7 +684,7 @@ def load(path, engine: Engine, *, verify: bool = True):
                         f"shard file {file} is corrupted: sha256 {sha} but the manifest says {entry['sha256']}"
                     )
 
-        _agree(comm, check_sums)
+        _agree(comm, f"load {path}", check_sums)
 
     def read():
         saved = {e["name"]: e for e in manifest["state"]}
@@ -735,7 +729,7 @@ def load(path, engine: Engine, *, verify: bool = True):
                         out[i][spos : spos + m].copy_(src)
         return out, _restore_scaler(manifest["loss_scale"], scaler, engine)
 
-    new_leaves, scaler = _agree(comm, read)
+    new_leaves, scaler = _agree(comm, f"load {path}", read)
     state = spec.unflatten(new_leaves)
     with torch.no_grad():
         shard = state.master.to(engine.param_dtype, copy=True).to(engine.device)
@@ -787,4 +781,4 @@ def export_full(path, params_or_state, engine: Engine) -> None:
         _fsync_dir(os.path.dirname(path))
         return None
 
-    _agree(comm, write)
+    _agree(comm, f"export_full {path}", write)

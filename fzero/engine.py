@@ -103,6 +103,16 @@ class Engine:
         state = ZeroState(master, self.tx.init(master, tree=params, to_flat=self._mask_to_shard))
         return new_params, state, self.loss_scale.init(self.device)
 
+    def state_like(self) -> tuple[ZeroState, LossScaleState]:
+        """A fresh ``(state, scaler_state)`` with the structure, dtypes and devices ``init``
+        built: the template that ``fzero.checkpoint.load`` fills. Needs ``init`` first."""
+        layout, _ = self._ready()
+        master = self._to_state_device(torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device))
+        # the transform's init may look at the params' shapes (masks); values are not needed
+        like = layout.treespec.unflatten([torch.zeros((), device=self.device).expand(s) for s in layout.shapes])
+        state = ZeroState(master, self.tx.init(master, tree=like, to_flat=self._mask_to_shard))
+        return state, self.loss_scale.init(self.device)
+
     def _to_state_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.state_device == self.device:
             return t
