@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .flat import Layout, shard_of
+from .flat import Layout
 
 __all__ = ["Comm", "CollectiveError", "resolve_group"]
 
@@ -94,19 +94,21 @@ class Comm:
         except RuntimeError as e:
             raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
 
-    def reduce_scatter_sum(self, flat: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """``[padded_numel]`` -> this rank's ``[S]`` shard of the elementwise sum over ranks."""
+    def reduce_scatter_sum(self, buckets: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+        """Per-bucket ``[N*S_b]`` buffers -> this rank's ``[S]`` shard of the elementwise sum
+        over ranks (its slice of every bucket, concatenated)."""
         if self.world_size == 1:
-            return flat
+            return buckets[0] if len(buckets) == 1 else torch.cat(buckets)
         if self.simulated:
-            return shard_of(flat, layout, self.rank) * self.world_size
-        parts = [
-            self._call(
-                f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {self.world_size * b.shard} elements)",
-                _reduce_scatter, flat[b.start : b.start + self.world_size * b.shard], "sum", 0, self.group,
-            )
-            for i, b in enumerate(layout.buckets)
-        ]
+            parts = [x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.world_size for x, b in zip(buckets, layout.buckets)]
+        else:
+            parts = [
+                self._call(
+                    f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)",
+                    _reduce_scatter, x, "sum", 0, self.group,
+                )
+                for i, x in enumerate(buckets)
+            ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from . import checks
 from .comm import Comm, predivide_factor
-from .flat import Layout, flatten, make_layout, tree_shard, unflatten
+from .flat import Layout, flatten, flatten_buckets, make_layout, split_buckets, tree_shard, unflatten
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
 
 __all__ = ["ZeroState", "Accumulated", "Engine", "zero1"]
@@ -213,8 +213,9 @@ class Engine:
             new_state = _write_into(state, new_state)
         return new_params, new_state, scaler_state, info
 
-    def _flat_to_reduce(self, grads: Any) -> tuple[torch.Tensor, float]:
-        """``(flat, pre)``: the grads as one buffer in the reduce dtype, pre-divided by ``pre``.
+    def _flat_to_reduce(self, grads: Any) -> tuple[list[torch.Tensor], float]:
+        """``(buckets, pre)``: the grads as one buffer per bucket in the reduce dtype,
+        pre-divided by ``pre``.
 
         Summing N scaled FP16 grads can overflow by itself: reduce in FP32 (default), or in
         the param dtype with FSDP's split of the 1/N (``pre`` ~ sqrt(N) before, the rest after).
@@ -222,11 +223,11 @@ class Engine:
         leaves = checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
         n = self.comm.world_size
         if n == 1:  # no reduction: keep the grads' dtype, the step's FP32 cast fuses
-            return flatten(grads, self.layout, dtype=leaves[0].dtype), 1.0
+            return flatten_buckets(grads, self.layout, dtype=leaves[0].dtype), 1.0
         if self.reduce_dtype == torch.float32:
-            return flatten(grads, self.layout, dtype=torch.float32), 1.0
+            return flatten_buckets(grads, self.layout, dtype=torch.float32), 1.0
         pre = predivide_factor(n)
-        return flatten(grads, self.layout, dtype=self.reduce_dtype).div_(pre), pre
+        return [x.div_(pre) for x in flatten_buckets(grads, self.layout, dtype=self.reduce_dtype)], pre
 
     def _reduce(self, grads: Any) -> tuple[torch.Tensor, float, Any]:
         """``(shard, pre, micro)``: this rank's ``[S]`` sum over ranks, its pre-division, and
@@ -234,7 +235,7 @@ class Engine:
         if isinstance(grads, Accumulated):
             if self.stage == 2:  # reduced at every micro-batch already
                 return grads.grads, self._stage2_pre(), grads.count
-            return self.comm.reduce_scatter_sum(grads.grads, self.layout), 1.0, grads.count
+            return self.comm.reduce_scatter_sum(split_buckets(grads.grads, self.layout), self.layout), 1.0, grads.count
         flat, pre = self._flat_to_reduce(grads)
         return self.comm.reduce_scatter_sum(flat, self.layout), pre, 1
 

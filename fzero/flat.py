@@ -25,7 +25,17 @@ from typing import Any, Sequence
 import optree
 import torch
 
-__all__ = ["Layout", "make_layout", "flatten", "unflatten", "shard_of", "tree_shard", "leaf_paths"]
+__all__ = [
+    "Layout",
+    "make_layout",
+    "flatten",
+    "flatten_buckets",
+    "split_buckets",
+    "unflatten",
+    "shard_of",
+    "tree_shard",
+    "leaf_paths",
+]
 
 DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
 
@@ -130,23 +140,41 @@ def make_layout(
     return Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
 
 
-def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Copy the leaves into a new ``[padded_numel]`` buffer of ``dtype`` (default: first leaf's).
+def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The leaves copied into one new ``[world_size * S_b]`` buffer per bucket, in ``dtype``
+    (default: the first leaf's), zero-padded.
 
-    Padding is zero, so it never contributes to sums or norms. One ``torch.cat``: eager casts
-    while it copies (``out=``); under ``torch.compile`` inductor turns it into one concat
-    kernel (with many leaves, better than fusing a many-way select into the step's kernel).
+    A bucket's buffer depends only on its own leaves, so its reduce-scatter can start as soon
+    as those grads exist. Eager mode casts while it copies (``torch.cat(out=)``); under
+    ``torch.compile`` inductor turns each ``cat`` into one concat kernel (with many leaves,
+    better than fusing a many-way select into the step's kernel).
     """
     leaves = optree.tree_leaves(tree)
     dtype = dtype or leaves[0].dtype
     device = leaves[0].device
-    parts = []
+    out = []
     for b in layout.buckets:
-        parts += [leaves[i].reshape(-1) for i in b.leaves]
-        parts.append(torch.zeros(layout.world_size * b.shard - b.numel, dtype=dtype, device=device))
-    if torch.compiler.is_compiling():
-        return torch.cat([p.to(dtype) for p in parts])
-    return torch.cat(parts, out=torch.empty(layout.padded_numel, dtype=dtype, device=device))
+        size = layout.world_size * b.shard
+        parts = [leaves[i].reshape(-1) for i in b.leaves]
+        parts.append(torch.zeros(size - b.numel, dtype=dtype, device=device))
+        if torch.compiler.is_compiling():
+            out.append(torch.cat([p.to(dtype) for p in parts]))
+        else:
+            out.append(torch.cat(parts, out=torch.empty(size, dtype=dtype, device=device)))
+    return out
+
+
+def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Copy the leaves into a new ``[padded_numel]`` buffer of ``dtype`` (default: first leaf's).
+
+    Padding is zero, so it never contributes to sums or norms."""
+    buckets = flatten_buckets(tree, layout, dtype=dtype)
+    return buckets[0] if len(buckets) == 1 else torch.cat(buckets)
+
+
+def split_buckets(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Views of a ``[padded_numel]`` buffer, one per bucket."""
+    return [flat[b.start : b.start + layout.world_size * b.shard] for b in layout.buckets]
 
 
 def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
