@@ -1,5 +1,6 @@
 # `make test`  : set up .venv (if absent) and run every test.
-# `make train` : set up .venv and run the main job: tiny GPT, FP16, 2 ZeRO-1 ranks on CPU.
+# `make train` : set up .venv and run the main job: a character-level GPT, FP16 + dynamic loss
+#                scaling, 2 ZeRO-1 ranks on CPU (gloo), about 2 minutes.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch is installed first, pinned, so pip does not pull a multi-GB CUDA build on a CPU box.

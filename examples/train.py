@@ -1,0 +1,350 @@
+"""The reference fzero training loop: ZeRO-1 mixed-precision AdamW on a GPT (or an MLP).
+
+    python examples/train.py                                       # one process
+    torchrun --standalone --nproc_per_node=2 examples/train.py     # 2 data-parallel ranks
+    make train                                                     # nano GPT, FP16, 2 CPU ranks
+
+Every rank samples the same global batch and trains on its own rows of it. The engine
+reduce-scatters the grads, updates this rank's 1/N shard of the FP32 master weights and Adam
+moments, and all-gathers the new FP16/BF16 params. The default data is character-level
+Python: the standard library's own sources (see data.py); --data FILE trains on your text.
+
+Writes <out>/metrics.jsonl (one record per step, then {"summary": ...}) and <out>/loss.png.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import fzero
+import transforms
+from data import CharCorpus, TeacherRegression
+from models import gpt, mlp
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+GPT_CONFIGS = {  # vocab_size becomes the data's (97 characters); params counted at that vocab
+    "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),  # 0.11M: minutes on CPU
+    "tiny": gpt.GPTConfig.tiny,  # 0.82M
+    "small": gpt.GPTConfig.small,  # 10.8M
+    "gpt2": gpt.GPTConfig.gpt2,  # 85.9M, for GPUs
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="%(default)s")
+    p.add_argument("--config", choices=GPT_CONFIGS, default="nano", help="GPT size: %(default)s")
+    p.add_argument("--block-size", type=int, help="GPT context length in characters (default: the config's)")
+    p.add_argument("--mlp-dims", default="64,256,256,64", help="MLP widths, student and teacher: %(default)s")
+    p.add_argument("--data", metavar="FILE", help="text file for the GPT (default: the Python standard library)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp16", help="param dtype (fp16: loss scaling): %(default)s")
+    p.add_argument("--steps", type=int, default=600, help="%(default)s")
+    p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, sequences: %(default)s")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, warmup then cosine to 1/10: %(default)s")
+    p.add_argument("--warmup", type=int, default=30, help="learning-rate warmup steps: %(default)s")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="%(default)s")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm, inf for none: %(default)s")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between val losses, and at the end: %(default)s")
+    p.add_argument("--eval-batches", type=int, default=4, help="fixed val batches per evaluation: %(default)s")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="%(default)s")
+    p.add_argument("--seed", type=int, default=0, help="%(default)s")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<model>-<dtype>-<time>)")
+    p.add_argument("--profile", metavar="DIR", help="write a chrome trace of steps 3-5 here, one file per rank")
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="write a sharded checkpoint to <out>/ckpt/step-<N> every N steps (0: never)")
+    p.add_argument("--resume", metavar="DIR", help="continue from this checkpoint (any world size)")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1:
+        p.error("--steps and --batch-size must be positive")
+    return args
+
+
+# ---------------------------------------------------------------- processes
+def init_distributed(device: str) -> tuple[torch.device, int, int]:
+    """``(device, rank, world_size)``. Under torchrun (WORLD_SIZE is set) join the process
+    group, NCCL on CUDA and gloo on CPU; run as a plain script, be one process without one."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if "WORLD_SIZE" not in os.environ:
+        return device, 0, 1
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=5))
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks of a small tensor (for logging only)."""
+    if not dist.is_initialized():
+        return x
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x / dist.get_world_size()
+
+
+def gather_to_all(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ---------------------------------------------------------------- data and model
+def build(args, device):
+    """``(data, params_fp32, loss_fn, items per sequence)`` for ``--model``."""
+    seed = torch.Generator().manual_seed(args.seed)
+    if args.model == "gpt":
+        config = GPT_CONFIGS[args.config]()
+        T = args.block_size or config.block_size
+        data = CharCorpus.from_file(args.data, T) if args.data else CharCorpus.from_stdlib(T)
+        config = dataclasses.replace(config, vocab_size=data.vocab_size, block_size=T)
+        return data, gpt.init(seed, config, device=device), functools.partial(gpt.loss, config=config), T
+    dims = tuple(int(d) for d in args.mlp_dims.split(","))
+    return TeacherRegression(dims), mlp.init(seed, dims, device=device), mlp.loss, 1
+
+
+# ---------------------------------------------------------------- the step
+def train_step(engine, loss_fn, params, state, scaler_state, batch):
+    """One optimizer step, a pure function with no host sync. Also returns this rank's
+    (unscaled) loss and the engine's ``info``."""
+
+    def scaled_loss(p):
+        return fzero.scale_loss(loss_fn(p, batch), scaler_state)
+
+    grads, loss = torch.func.grad_and_value(scaled_loss)(params)
+    loss = loss / scaler_state.scale  # the scale this step used (1 without loss scaling)
+    params, state, scaler_state, info = engine.step(params, grads, state, scaler_state)
+    return params, state, scaler_state, loss, info
+
+
+@torch.no_grad()
+def evaluate(params, loss_fn, batches) -> float:
+    """Mean loss over ``batches`` (this rank's rows), averaged over ranks."""
+    return mean_over_ranks(torch.stack([loss_fn(params, b) for b in batches]).mean()).item()
+
+
+# ---------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)
+    device, rank, world = init_distributed(args.device)
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
+    lo, hi = rank * args.batch_size // world, (rank + 1) * args.batch_size // world
+
+    def my_rows(batch):  # this rank's contiguous rows of a global batch
+        return tuple(t[lo:hi].to(device) for t in batch)
+
+    data, params_fp32, loss_fn, seq_items = build(args, device)
+
+    # fzero: the optimizer (optax-style transforms; lr is a float or a schedule), the engine, its state.
+    warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
+    lr = transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+    tx = transforms.chain(
+        transforms.clip_by_global_norm(args.grad_clip),  # by the global norm over all ranks
+        transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay),
+    )
+    dtype = DTYPES[args.dtype]
+    loss_scale = fzero.DynamicLossScale() if dtype == torch.float16 else None  # BF16 and FP32 need none
+    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale)
+    params, state, scaler_state = engine.init(params_fp32)  # params in --dtype; FP32 state, 1/N of it
+
+    state_bytes = engine.state_bytes(state)
+    n_params = engine.layout.numel
+    tokens_per_step = args.batch_size * seq_items
+    val_batches = [my_rows(data.get_batch("val", i, args.batch_size, args.seed)) for i in range(args.eval_batches)]
+
+    name = f"gpt {args.config}" if args.model == "gpt" else f"mlp {args.mlp_dims}"
+    out = args.out or os.path.join("runs", f"{args.model}-{args.dtype}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
+        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments, 1/{world} each)")
+    log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
+
+    first_step = 1
+    if args.resume:  # same model and optimizer, any world size; batches are seeded by step
+        params, state, scaler_state, extra = fzero.checkpoint.load(args.resume, engine)
+        first_step = extra["step"] + 1
+        if first_step > args.steps:
+            raise SystemExit(f"{args.resume} is at step {extra['step']}, not before --steps {args.steps}")
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {extra['step']}")
+
+    records, skipped, warned_stuck = [], 0, False
+    profiler = make_profiler(args.profile, rank) if args.profile else contextlib.nullcontext()
+    bar = tqdm(range(first_step, args.steps + 1), disable=rank != 0, unit="step", dynamic_ncols=True)
+    start = time.perf_counter()
+    with profiler as prof:
+        for step in bar:
+            t0 = time.perf_counter()
+            batch = my_rows(data.get_batch("train", step, args.batch_size, args.seed))
+            params, state, scaler_state, loss, info = train_step(engine, loss_fn, params, state, scaler_state, batch)
+
+            # Logging: the loop's only host syncs (the step above has none).
+            loss = mean_over_ranks(loss).item()
+            found_inf = bool(info["found_inf"])
+            skipped += found_inf
+            step_time = time.perf_counter() - t0
+            evaluate_now = step == args.steps or (args.eval_every > 0 and step % args.eval_every == 0)
+            record = {
+                "step": step,
+                "loss": finite_or_none(loss),
+                "val_loss": evaluate(params, loss_fn, val_batches) if evaluate_now else None,
+                "loss_scale": info["loss_scale"].item(),
+                "found_inf": found_inf,
+                "skipped_total": skipped,
+                "grad_norm": finite_or_none(info["grad_norm"].item()),
+                "step_time_s": step_time,
+                "tokens_per_s": tokens_per_step / step_time,
+                "opt_state_bytes": state_bytes,
+            }
+            records.append(record)
+            if log:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            scale, tokens_per_s = record["loss_scale"], record["tokens_per_s"]
+            bar.set_postfix(loss=f"{loss:.3f}", scale=f"{scale:g}", tok_s=f"{tokens_per_s:,.0f}")
+            if bool(info["scale_stuck"]) and not warned_stuck:  # rare: find the culprits off the hot path
+                warned_stuck = True
+                warn_stuck(loss_fn, params, scaler_state, batch, rank)
+            if args.save_every and (step % args.save_every == 0 or step == args.steps):
+                fzero.checkpoint.save(os.path.join(out, "ckpt", f"step-{step}"), params, state, scaler_state, engine,
+                                      extra={"step": step, "seed": args.seed})
+            if prof:
+                prof.step()
+    total_time = time.perf_counter() - start
+    bar.close()
+
+    # Every rank hashes its full param buffer: ZeRO-1 must leave them bit-identical.
+    digests = gather_to_all(sha256(fzero.flatten(params, engine.layout)))
+    summary = summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests)
+    if rank == 0:
+        log.write(json.dumps({"summary": summary}) + "\n")
+        log.close()
+        plot_path = plot(records, os.path.join(out, "loss.png"), title=f"{name}, {args.dtype}, {world} rank(s)")
+        print_summary(summary, log.name, plot_path, args.profile)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def warn_stuck(loss_fn, params, scaler_state, batch, rank):
+    """The loss scale sits at its minimum and grads are still non-finite: name the leaves."""
+    grads = torch.func.grad(lambda p: fzero.scale_loss(loss_fn(p, batch), scaler_state))(params)
+    culprits = gather_to_all(fzero.nonfinite_leaves(grads))
+    if rank == 0:
+        where = "; ".join(f"rank {r}: {', '.join(c)}" for r, c in enumerate(culprits) if c) or "no leaf (the reduction)"
+        tqdm.write(f"WARNING: loss scale stuck at {float(scaler_state.scale):g}: overflow persists at the minimum scale. "
+                   f"Non-finite grads in {where}")
+
+
+# ---------------------------------------------------------------- reporting
+def finite_or_none(x: float):
+    return x if math.isfinite(x) else None  # JSON has no inf/NaN
+
+
+def sha256(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous().clone()  # a tensor that owns exactly its bytes
+    return hashlib.sha256(bytes(t.untyped_storage())).hexdigest()
+
+
+def make_profiler(trace_dir, rank):
+    """Skip 1 step, warm up 1, record 3; then write a chrome trace (Perfetto, TensorBoard)."""
+    os.makedirs(trace_dir, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(trace_dir, f"trace_rank{rank}.json")),
+    )
+
+
+def summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests) -> dict:
+    val = [r["val_loss"] for r in records if r["val_loss"] is not None]
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "steps": len(records),
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "final_val_loss": val[-1] if val else None,
+        "best_val_loss": min(val) if val else None,
+        "skipped_steps": records[-1]["skipped_total"],
+        "total_time_s": total_time,
+        "mean_tokens_per_s": len(records) * tokens_per_step / total_time,
+        "world_size": world,
+        "global_batch_size": args.batch_size,
+        "param_count": n_params,
+        "opt_state_bytes_per_rank": state_bytes,
+        "params_sha256": digests,
+        "params_identical_across_ranks": len(set(digests)) == 1,
+    }
+
+
+def print_summary(s, log_path, plot_path, trace_dir):
+    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    unit = "tokens" if s["model"] == "gpt" else "samples"
+    same = "identical on every rank" if s["params_identical_across_ranks"] else "DIFFER across ranks"
+    rows = [
+        ("steps", f"{s['steps']} ({s['skipped_steps']} skipped on overflow)"),
+        ("train loss", f"{fmt(s['first_loss'])} -> {fmt(s['final_loss'])}"),
+        ("val loss", f"{fmt(s['final_val_loss'])} (best {fmt(s['best_val_loss'])})"),
+        ("time", f"{s['total_time_s']:.1f} s, {s['mean_tokens_per_s']:,.0f} {unit}/s"),
+        ("params", f"{s['param_count']:,} ({s['dtype']})"),
+        ("optimizer state", f"{s['opt_state_bytes_per_rank']:,} bytes per rank, {s['world_size']} rank(s)"),
+        ("params sha256", f"{s['params_sha256'][0][:16]}... {same}"),
+        ("metrics", log_path),
+        ("plot", plot_path or "not written (matplotlib is not installed)"),
+    ]
+    if trace_dir:
+        rows.append(("profile", trace_dir))
+    print()
+    for name, value in rows:
+        print(f"  {name:<16} {value}")
+
+
+def plot(records, path, title):
+    """Train and val loss against steps, as a PNG; ``None`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train = [(r["step"], r["loss"]) for r in records if r["loss"] is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r["val_loss"] is not None]
+    skipped = [(r["step"], r["loss"]) for r in records if r["found_inf"] and r["loss"] is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*train), lw=1, label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", label="val")
+    if skipped:
+        ax.plot(*zip(*skipped), "rx", label="skipped step (overflow)")
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    main()
