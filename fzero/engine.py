@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from transforms.base import scalar
+
 from . import checks
 from .comm import Comm, predivide_factor
 from .flat import Layout, flatten, flatten_buckets, make_layout, split_buckets, tree_shard, unflatten
@@ -180,7 +182,7 @@ class Engine:
 
         # 2. Average over ranks and micro-batches and unscale, in one FP32 multiply:
         #    mean grad = sum * pre / (N * micro * scale).
-        g = g.float() * (pre / comm.world_size / (scale * micro))
+        g = g.float() * scalar(pre / comm.world_size / (scale * micro))
 
         # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
         #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
@@ -209,8 +211,9 @@ class Engine:
             "scale_stuck": self.loss_scale.stuck(scaler_state),
         }
         new_state = ZeroState(master, tx_state)
-        if self.donate:
+        if self.donate:  # write into the inputs' buffers: no allocation of state or params
             new_state = _write_into(state, new_state)
+            new_params = _write_into(params, new_params)
         return new_params, new_state, scaler_state, info
 
     def _flat_to_reduce(self, grads: Any) -> tuple[list[torch.Tensor], float]:
@@ -318,10 +321,11 @@ def zero1(
       offload: ``"cpu"`` keeps master weights and transform state in (pinned) host memory and
         runs the update there; params and grads stay on their device. Each step then waits
         for its grads on the host (a device->host copy), by construction.
-      donate: ``step`` writes the new optimizer state into the input ``state``'s buffers and
-        returns them (JAX's ``donate_argnums``): the input state must not be used again. With
-        ``torch.compile`` the FP32 state then exists once during the step; without, the step
-        is pure and holds old and new state at its peak.
+      donate: ``step`` writes the new optimizer state and params into the input ``state``'s and
+        ``params``' buffers and returns them (JAX's ``donate_argnums``): the inputs must not be
+        used again. With ``torch.compile`` the FP32 state then exists once during the step and
+        nothing state- or param-sized is allocated; without, the step is pure and holds old
+        and new state at its peak.
       simulate: ``(rank, world_size)``: act as that rank of that many ranks with no process
         group, every rank holding the same grads (for memory accounting on one device).
     """

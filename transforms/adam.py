@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, chain, hyperparam
+from .base import GradientTransformation, chain, hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adamw"]
@@ -59,9 +59,9 @@ def scale_by_adam(
         count = state.count + 1
         # 0-d scalars in float64 (like torch.optim's Python floats), then fp32 for the [S] math.
         t = count.to(torch.float64)
-        step_size = (1 / (1 - state.b1**t)).float()
-        bc2_sqrt = torch.sqrt(1 - state.b2**t).float()
-        w1, b2, w2, eps = (1 - state.b1).float(), state.b2.float(), (1 - state.b2).float(), state.eps.float()
+        step_size = scalar(1 / (1 - state.b1**t))
+        bc2_sqrt = scalar(torch.sqrt(1 - state.b2**t))
+        w1, b2, w2, eps = scalar(1 - state.b1), scalar(state.b2), scalar(1 - state.b2), scalar(state.eps)
 
         def leaf(g, m, v):
             g32 = g.float()

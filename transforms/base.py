@@ -26,6 +26,7 @@ __all__ = [
     "get_hyperparams",
     "hyperparam",
     "apply_updates",
+    "scalar",
 ]
 
 
@@ -98,6 +99,17 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         return chosen, MaskedState(inner_state, state.mask)
 
     return GradientTransformation(init, update)
+
+
+def scalar(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x`` (0-d) as a 0-d ``dtype`` tensor computed once per step.
+
+    Exactly ``x.to(dtype)``. The detour through a 16-element sum is for ``torch.compile``:
+    inductor inlines 0-d pointwise math into its consumers, so a bias correction
+    (``float64`` pow, sqrt) would be recomputed for every element of an ``[S]`` kernel (5x
+    slower on CPU); a reduction of more than 8 elements is always materialized first."""
+    x = x.to(dtype).reshape(1)
+    return torch.cat([x, x.new_zeros(15)]).sum()
 
 
 def first_device(tree) -> torch.device | None:

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, hyperparam
+from .base import GradientTransformation, hyperparam, scalar
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
@@ -35,7 +35,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update(updates, state, params=None, *, grad_norm=None, **extra):
         norm = global_norm(updates) if grad_norm is None else grad_norm
-        coef = torch.clamp(state.max_norm.float() / (norm.float() + 1e-6), max=1.0)
+        coef = scalar(torch.clamp(state.max_norm / (norm.double() + 1e-6), max=1.0))
         return optree.tree_map(lambda u: (u * coef).to(u.dtype), updates), state
 
     return GradientTransformation(init, update)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, hyperparam, masked
+from .base import GradientTransformation, hyperparam, masked, scalar
 
 __all__ = ["ScaleByLearningRateState", "AddDecayedWeightsState", "scale_by_learning_rate", "add_decayed_weights"]
 
@@ -41,7 +41,7 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
             return ScaleByScheduleState(torch.zeros((), dtype=torch.int32, device=optree.tree_leaves(params)[0].device))
 
         def update(updates, state, params=None, **extra):
-            rate = torch.as_tensor(schedule(state.count)).float()
+            rate = scalar(torch.as_tensor(schedule(state.count)))
             return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), ScaleByScheduleState(state.count + 1)
 
         return GradientTransformation(init, update)
@@ -50,7 +50,7 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
         return ScaleByLearningRateState(hyperparam(lr, params))
 
     def update(updates, state, params=None, **extra):
-        rate = state.lr.float()
+        rate = scalar(state.lr)
         return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), state
 
     return GradientTransformation(init, update)
@@ -69,7 +69,7 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTran
     def update(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("add_decayed_weights needs params")
-        wd = state.weight_decay.float()
+        wd = scalar(state.weight_decay)
         return optree.tree_map(lambda u, p: (u + wd * p).to(u.dtype), updates, params), state
 
     return GradientTransformation(init, update)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, chain, hyperparam
+from .base import GradientTransformation, chain, hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["TraceState", "trace", "sgd"]
@@ -30,7 +30,7 @@ def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
         return TraceState(optree.tree_map(torch.zeros_like, params), hyperparam(momentum, params))
 
     def update(updates, state, params=None, **extra):
-        mu = state.momentum.float()
+        mu = scalar(state.momentum)
         buf = optree.tree_map(lambda g, b: (mu * b + g).to(b.dtype), updates, state.trace)
         out = optree.tree_map(lambda g, b: g + mu * b, updates, buf) if nesterov else buf
         return out, state._replace(trace=buf)
