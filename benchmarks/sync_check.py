@@ -1,7 +1,10 @@
-"""No host syncs in the step, on a GPU: ``torch.cuda.set_sync_debug_mode("error")`` around
-eager fzero steps (FP16 dynamic scaling with an overflow, BF16, accumulation). Any
-``.item()``/``bool(tensor)``/blocking copy raises. (On CPU the test suite traps
-``Tensor.item``/``__bool__`` instead: tests/test_compile.py.)
+"""GPU checks of the step: no host syncs, and determinism.
+
+1. ``torch.cuda.set_sync_debug_mode("error")`` around eager fzero steps (FP16 dynamic scaling
+   with an overflow, BF16, accumulation): any ``.item()``/``bool(tensor)``/blocking copy raises.
+   (On CPU the test suite traps ``Tensor.item``/``__bool__`` instead: tests/test_compile.py.)
+2. With ``torch.use_deterministic_algorithms(True)``, two identical runs of steps give bitwise
+   identical params and state. (On CPU: tests/test_engine_dist.py.)
 
     python benchmarks/sync_check.py
 """
@@ -38,7 +41,20 @@ def main():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         print(f"sync_check {dtype}: 4 steps + accumulation, no host sync; found_inf per step ok, scale {float(ss.scale)}")
-    return 0
+
+    torch.use_deterministic_algorithms(True)
+    runs = []
+    for _ in range(2):
+        engine = fzero.zero1(transforms.adamw(lr=1e-3), param_dtype=torch.float16)
+        params, state, ss = engine.init(params32)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for _ in range(5):
+            grads = optree.tree_map(lambda p: torch.randn(p.shape, generator=gen, device=dev).half(), params)
+            params, state, ss, _ = engine.step(params, grads, state, ss)
+        runs.append(optree.tree_leaves((params, state)))
+    same = all(torch.equal(a, b) for a, b in zip(*runs))
+    print(f"determinism: two runs bitwise identical: {same}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
