@@ -8,6 +8,7 @@ import torch
 import fzero
 import transforms
 from models import mlp
+from test_transforms import run_tx
 
 
 def odd_params(seed=0):
@@ -249,15 +250,6 @@ def run_engine(tx, p0, grads_list, **kw):
     return params, state, infos
 
 
-def run_pytree(tx, p0, grads_list):
-    state = tx.init(p0)
-    p = p0
-    for grads in grads_list:
-        updates, state = tx.update(grads, state, p)
-        p = transforms.apply_updates(p, updates)
-    return p
-
-
 def test_mask_clip_schedule_on_the_flat_shard_equal_the_pytree_transform():
     p0 = odd_params()
     grads_list = [grads_like(p0, i, scale=3.0) for i in range(8)]
@@ -270,7 +262,7 @@ def test_mask_clip_schedule_on_the_flat_shard_equal_the_pytree_transform():
         ),
     )
     params, state, infos = run_engine(tx, p0, grads_list)
-    tree_assert_close(params, run_pytree(tx, p0, grads_list), rtol=1e-5, atol=1e-7)
+    tree_assert_close(params, run_tx(tx, p0, grads_list)[0], rtol=1e-5, atol=1e-7)
     # info reports the norm before clipping
     torch.testing.assert_close(infos[0]["grad_norm"], transforms.global_norm(grads_list[0]), rtol=1e-6, atol=0)
     assert infos[0]["grad_norm"] > 2.0
@@ -284,7 +276,7 @@ def test_skipped_steps_do_not_advance_schedules():
     bad["w"][0, 0] = float("nan")
     params, state, infos = run_engine(transforms.adamw(lr=sched), p0, grads_list[:2] + [bad] + grads_list[2:])
     assert [bool(i["found_inf"]) for i in infos] == [False, False, True, False, False, False, False]
-    tree_assert_close(params, run_pytree(transforms.adamw(lr=sched), p0, grads_list), rtol=1e-6, atol=1e-8)
+    tree_assert_close(params, run_tx(transforms.adamw(lr=sched), p0, grads_list)[0], rtol=1e-6, atol=1e-8)
     assert state.tx_state[2].count.item() == 6
 
 
