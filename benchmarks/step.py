@@ -8,9 +8,10 @@ FP32) grads. The floor is the step's 28 bytes/element (read FP16 grad 2, FP32 ma
     python benchmarks/step.py --numel 1e9 --device cuda         # one GPU, 1e9 elements
 
 Rows: torch.optim.AdamW fused / foreach on FP32 params; the classic FP16-params + FP32-master
-recipe (torch's amp unscale kernel, AdamW on the master, copy back); fzero eager (pure) and
-fzero compiled (``torch.compile(engine.step, fullgraph=True)``, ``donate=True``), world size 1,
-FP16 params, dynamic loss scale. Prints a markdown table with x floor and ratios.
+recipe (torch's amp unscale kernel, AdamW on the master, copy back); fzero eager (pure), fzero
+compiled (``torch.compile(engine.step, fullgraph=True)``, ``donate=True``) from the grads
+pytree, and on the flat buffer (``engine.flat_params``: params and grads flat); world
+size 1, FP16 params, dynamic loss scale. Prints a markdown table with x floor and ratios.
 """
 from __future__ import annotations
 
@@ -86,15 +87,20 @@ def main(argv=None):
     # fzero, world size 1
     params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}
     grads = {k: g for k, g in zip(params32, g16)}
-    for label, compiled in (("fzero eager", False), ("fzero compiled", True)):
+    for label, compiled, flat_grads in (("fzero eager", False, False), ("fzero compiled", True, False),
+                                        ("fzero compiled, flat buffer (engine.flat_params)", True, True)):
         if compiled and not args.compile:
             continue
         engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, donate=compiled)
         carry = list(engine.init(params32))  # params, state, scaler_state
         step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
+        # d(loss)/d(flat buffer) arrives already laid out (engine.flat_params): no per-leaf copy
+        g = fzero.flatten(grads, engine.layout) if flat_grads else grads
+        if flat_grads:
+            carry[0] = engine.flat_params(carry[0])
 
         def run():
-            carry[0], carry[1], carry[2], _ = step(carry[0], grads, carry[1], carry[2])
+            carry[0], carry[1], carry[2], _ = step(carry[0], g, carry[1], carry[2])
 
         ms[label] = bench(run)
         del engine, carry, step

@@ -16,7 +16,7 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-__all__ = ["PARAM_DTYPES", "check_param_dtype", "check_params", "check_like_layout"]
+__all__ = ["PARAM_DTYPES", "check_param_dtype", "check_params", "check_like_layout", "check_flat"]
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -81,3 +81,13 @@ def check_like_layout(
                 "for autograd results use .detach())"
             )
     return leaves
+
+
+def check_flat(flat: torch.Tensor, layout: Layout, *, what: str, device: torch.device, dtype: torch.dtype) -> None:
+    """A flat ``[N*S]`` params or grads buffer: ``dtype`` on ``device``, not requiring grad."""
+    if flat.dtype != dtype:
+        raise TypeError(f"flat {what} have dtype {flat.dtype}, expected {dtype} (the engine's param_dtype)")
+    if flat.device != device:
+        raise ValueError(f"flat {what} are on {flat.device}, the params are on {device}")
+    if flat.requires_grad:
+        raise ValueError(f"flat {what} require grad; pass plain tensors (torch.func.grad returns them)")

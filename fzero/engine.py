@@ -162,8 +162,10 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self, params: Any, grads: Any, state: ZeroState, scaler_state: LossScaleState):
-        """One optimizer step. ``grads`` are d(scaled loss)/d(params), this rank's (a pytree like
-        params, or an ``Accumulated`` sum of micro-batches).
+        """One optimizer step. ``params``: the pytree from ``init``/``step``, or its flat buffer
+        (``flat_params``; the new params then come back flat too). ``grads`` are d(scaled
+        loss)/d(params), this rank's: a pytree like params, the ``[N*S]`` grad of the flat
+        buffer, or an ``Accumulated`` sum of micro-batches.
 
         reduce-scatter (sum) -> unscale and average -> one all-reduce of the squared norm
         (which carries found_inf) -> transform -> keep old values if not finite -> cast ->
@@ -174,7 +176,11 @@ class Engine:
         ``fzero.nonfinite_leaves(grads)`` then names the culprits, off the hot path).
         """
         layout, comm = self._ready()
-        checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
+        flat_in = self._is_flat(params)  # the flat buffer itself (flat_params) or the pytree
+        if flat_in:
+            checks.check_flat(params, layout, what="params", device=self.device, dtype=self.param_dtype)
+        else:
+            checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
         scale = scaler_state.scale
 
         # 1. Sum over ranks, this rank's [S] shard only (see _reduce for the precision).
@@ -201,7 +207,9 @@ class Engine:
 
         # 6. Cast the shard and gather everyone's into the new flat param buffer.
         shard = master.to(self.param_dtype, copy=True).to(self.device, non_blocking=True)
-        new_params = unflatten(comm.all_gather(shard, layout), layout, like=params)
+        new_params = comm.all_gather(shard, layout)
+        if not flat_in:
+            new_params = unflatten(new_params, layout, like=params)
 
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {
@@ -223,14 +231,46 @@ class Engine:
         Summing N scaled FP16 grads can overflow by itself: reduce in FP32 (default), or in
         the param dtype with FSDP's split of the 1/N (``pre`` ~ sqrt(N) before, the rest after).
         """
-        leaves = checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
         n = self.comm.world_size
-        if n == 1:  # no reduction: keep the grads' dtype, the step's FP32 cast fuses
-            return flatten_buckets(grads, self.layout, dtype=leaves[0].dtype), 1.0
-        if self.reduce_dtype == torch.float32:
-            return flatten_buckets(grads, self.layout, dtype=torch.float32), 1.0
+        if self._is_flat(grads):  # d(loss)/d(flat buffer): already laid out, nothing to copy
+            checks.check_flat(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
+            dtype = grads.dtype if n == 1 else self.reduce_dtype
+            buckets = [x.to(dtype) for x in split_buckets(grads, self.layout)]
+        else:
+            checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
+            # world size 1 reduces nothing: keep the grads' dtype, the step's FP32 cast fuses
+            buckets = flatten_buckets(grads, self.layout, dtype=self.param_dtype if n == 1 else self.reduce_dtype)
+        if n == 1 or self.reduce_dtype == torch.float32:
+            return buckets, 1.0
         pre = predivide_factor(n)
-        return [x.div_(pre) for x in flatten_buckets(grads, self.layout, dtype=self.reduce_dtype)], pre
+        return [x / pre for x in buckets], pre
+
+    def _is_flat(self, grads: Any) -> bool:
+        """Params or grads given as the flat ``[N*S]`` buffer (see ``flat_params``)."""
+        return isinstance(grads, torch.Tensor) and grads.shape == (self.layout.padded_numel,)
+
+    def flat_params(self, params: Any) -> torch.Tensor:
+        """The ``[N*S]`` flat buffer that ``params``' leaves are views of.
+
+        Differentiate with respect to it to get the grads already flat -- no per-leaf copy in
+        the step -- and pass that tensor to ``step`` as ``grads``; pass the buffer itself as
+        ``params`` to get the new flat buffer back (one copy with ``donate``, not one per leaf)::
+
+            flat = engine.flat_params(params)
+            grads = torch.func.grad(lambda f: loss_fn(fzero.unflatten(f, engine.layout), batch))(flat)
+            flat, state, scaler_state, info = engine.step(flat, grads, state, scaler_state)
+
+        With ``donate=True`` the buffer stays the same across steps."""
+        layout, _ = self._ready()
+        leaves = checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
+        base = leaves[0]._base if leaves[0]._base is not None else leaves[0]
+        if base.shape != (layout.padded_numel,) or any(
+            x.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+            or x.storage_offset() != base.storage_offset() + o
+            for x, o in zip(leaves, layout.offsets)
+        ):
+            raise ValueError("params are not views of one flat buffer of this engine's layout (pass what init/step returned)")
+        return base
 
     def _reduce(self, grads: Any) -> tuple[torch.Tensor, float, Any]:
         """``(shard, pre, micro)``: this rank's ``[S]`` sum over ranks, its pre-division, and
@@ -260,6 +300,9 @@ class Engine:
         if self.stage == 2:
             flat, _ = self._flat_to_reduce(grads)
             part = self.comm.reduce_scatter_sum(flat, self.layout).float()
+        elif self._is_flat(grads):
+            checks.check_flat(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
+            part = grads.float()
         else:
             checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
             part = flatten(grads, self.layout, dtype=torch.float32)

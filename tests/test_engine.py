@@ -359,3 +359,31 @@ def test_grads_on_another_device_names_leaf(ready):
     grads["blocks"][1]["g"] = grads["blocks"][1]["g"].to("meta")
     with pytest.raises(ValueError, match="grads leaf 'blocks/1/g' is on meta, the params are on cpu"):
         engine.step(params, grads, state, ss)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("simulate", [None, (1, 2)])
+def test_grads_of_the_flat_buffer_equal_the_pytree_path(donate, simulate):
+    gen = torch.Generator().manual_seed(0)
+    p0 = mlp.init(gen, (16, 64, 4))
+    batch = (torch.randn(32, 16, generator=gen).half(), torch.randn(32, 4, generator=gen))
+    kw = dict(param_dtype=torch.float16, donate=donate, simulate=simulate, bucket_bytes=1024)
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), **kw)
+    a, b = list(engine.init(p0)), list(engine.init(p0))
+    for _ in range(3):
+        ga = torch.func.grad(lambda p: fzero.scale_loss(mlp.loss(p, batch), a[2]))(a[0])
+        flat = engine.flat_params(b[0])
+        gb = torch.func.grad(lambda f: fzero.scale_loss(mlp.loss(fzero.unflatten(f, engine.layout), batch), b[2]))(flat)
+        assert gb.shape == (engine.layout.padded_numel,)
+        a[0], a[1], a[2], _ = engine.step(a[0], ga, a[1], a[2])
+        b[0], b[1], b[2], _ = engine.step(b[0], gb, b[1], b[2])
+    assert tree_equal(a[1], b[1]) and tree_equal(a[0], b[0])
+    # the flat buffer itself as params: new params come back flat, same values
+    flat_new, flat_state, _, _ = engine.step(engine.flat_params(b[0]), gb, b[1], b[2])
+    ref_new, ref_state, _, _ = engine.step(a[0], ga, a[1], a[2])
+    assert flat_new.shape == (engine.layout.padded_numel,) and tree_equal(fzero.unflatten(flat_new, engine.layout), ref_new)
+    assert tree_equal(flat_state, ref_state)
+    with pytest.raises(TypeError, match="flat grads have dtype torch.float32"):
+        engine.step(b[0], gb.float(), b[1], b[2])
+    with pytest.raises(ValueError, match="not views of one flat buffer"):
+        engine.flat_params(optree.tree_map(torch.clone, b[0]))
