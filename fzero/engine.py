@@ -23,7 +23,7 @@ from transforms.base import scalar
 
 from . import checks
 from .comm import Comm, predivide_factor
-from .flat import Layout, flatten, flatten_buckets, make_layout, split_buckets, tree_shard, unflatten
+from .flat import Layout, flatten_buckets, make_layout, split_buckets, tree_shard, unflatten
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
 
 __all__ = ["ZeroState", "Accumulated", "Engine", "zero1"]
@@ -224,26 +224,31 @@ class Engine:
             new_params = _write_into(params, new_params)
         return new_params, new_state, scaler_state, info
 
+    def _grad_buckets(self, grads: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This rank's grads -- a pytree like params, or the flat buffer's grad -- checked and
+        laid out as one ``[N*S_b]`` buffer per bucket in ``dtype``."""
+        if self._is_flat(grads):  # d(loss)/d(flat buffer): already laid out, nothing to gather
+            checks.check_flat(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
+            return [x.to(dtype) for x in split_buckets(grads, self.layout)]
+        checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
+        return flatten_buckets(grads, self.layout, dtype=dtype)
+
+    def _pre(self) -> float:
+        """The pre-division of a low-precision reduction (1 when reducing in FP32 or alone)."""
+        n = self.comm.world_size
+        return 1.0 if n == 1 or self.reduce_dtype == torch.float32 else predivide_factor(n)
+
     def _flat_to_reduce(self, grads: Any) -> tuple[list[torch.Tensor], float]:
         """``(buckets, pre)``: the grads as one buffer per bucket in the reduce dtype,
         pre-divided by ``pre``.
 
         Summing N scaled FP16 grads can overflow by itself: reduce in FP32 (default), or in
         the param dtype with FSDP's split of the 1/N (``pre`` ~ sqrt(N) before, the rest after).
+        World size 1 reduces nothing: the grads keep their dtype and the step's FP32 cast fuses.
         """
-        n = self.comm.world_size
-        if self._is_flat(grads):  # d(loss)/d(flat buffer): already laid out, nothing to copy
-            checks.check_flat(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
-            dtype = grads.dtype if n == 1 else self.reduce_dtype
-            buckets = [x.to(dtype) for x in split_buckets(grads, self.layout)]
-        else:
-            checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
-            # world size 1 reduces nothing: keep the grads' dtype, the step's FP32 cast fuses
-            buckets = flatten_buckets(grads, self.layout, dtype=self.param_dtype if n == 1 else self.reduce_dtype)
-        if n == 1 or self.reduce_dtype == torch.float32:
-            return buckets, 1.0
-        pre = predivide_factor(n)
-        return [x / pre for x in buckets], pre
+        dtype = self.param_dtype if self.comm.world_size == 1 else self.reduce_dtype
+        buckets, pre = self._grad_buckets(grads, dtype), self._pre()
+        return (buckets, pre) if pre == 1.0 else ([x / pre for x in buckets], pre)
 
     def _is_flat(self, grads: Any) -> bool:
         """Params or grads given as the flat ``[N*S]`` buffer (see ``flat_params``)."""
@@ -277,14 +282,10 @@ class Engine:
         the number of micro-batches summed."""
         if isinstance(grads, Accumulated):
             if self.stage == 2:  # reduced at every micro-batch already
-                return grads.grads, self._stage2_pre(), grads.count
+                return grads.grads, self._pre(), grads.count
             return self.comm.reduce_scatter_sum(split_buckets(grads.grads, self.layout), self.layout), 1.0, grads.count
         flat, pre = self._flat_to_reduce(grads)
         return self.comm.reduce_scatter_sum(flat, self.layout), pre, 1
-
-    def _stage2_pre(self) -> float:
-        n = self.comm.world_size
-        return 1.0 if n == 1 or self.reduce_dtype == torch.float32 else predivide_factor(n)
 
     def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:
         """Add one micro-batch's grads to ``acc`` (``None`` starts a new sum); pass the result
@@ -300,12 +301,9 @@ class Engine:
         if self.stage == 2:
             flat, _ = self._flat_to_reduce(grads)
             part = self.comm.reduce_scatter_sum(flat, self.layout).float()
-        elif self._is_flat(grads):
-            checks.check_flat(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
-            part = grads.float()
         else:
-            checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
-            part = flatten(grads, self.layout, dtype=torch.float32)
+            buckets = self._grad_buckets(grads, torch.float32)
+            part = buckets[0] if len(buckets) == 1 else torch.cat(buckets)
         if acc is None:
             return Accumulated(part, torch.ones((), dtype=torch.int32, device=self.device))
         return Accumulated(acc.grads + part, acc.count + 1)
