@@ -1,13 +1,23 @@
-"""Does inductor overlap fzero's per-bucket reduce-scatters with backward? Measured side by side.
+"""Does fzero overlap the grads' reduce-scatter with backward? Measured side by side.
 
-The whole train step -- forward, backward and ``engine.step`` with ``bucket_bytes`` -- is one
-``torch.compile(fullgraph=True)`` graph; each bucket's flat grad buffer depends only on its own
-grads, so its reduce-scatter may start while backward still runs. Run twice on N gloo ranks:
-with inductor's compute/communication reordering off, and on
-(``torch._inductor.config.reorder_for_compute_comm_overlap``). Prints median step times and
-writes a Chrome trace of the reordered run to ``--trace`` (rank 0).
+A GPT on N gloo ranks, ``bucket_bytes`` buckets, eager. Each timed iteration runs, in turn,
+on the same params and batch:
 
-    python benchmarks/overlap.py --world-size 2
+* ``backward only``: ``torch.func.grad_and_value``, no communication (the compute floor);
+* ``reduce in step``: the same grads, reduce-scattered in ``engine.step`` after backward;
+* ``grad_and_value, overlap=False``: reduce-scatter per bucket inside backward, each waited at once;
+* ``grad_and_value, overlap=True``: the same collectives, left in flight until backward ends.
+
+It prints median milliseconds of forward+backward(+reduce-scatter) and of the whole step
+(+ ``engine.step``), and the share of the reduce-scatter time that overlap hides. Rank 0 writes
+a Chrome trace of two overlapped steps to ``--trace`` (the ``gloo:`` events on the gloo
+threads run beside the ``autograd::engine`` events on the main thread).
+
+``--compiled`` adds the other mechanism: the whole train step (forward, backward,
+``engine.step``) as one ``torch.compile`` graph, inductor's compute/communication reordering
+off and on (``torch._inductor.config.reorder_for_compute_comm_overlap``).
+
+    python benchmarks/overlap.py --world-size 2 [--compiled]
 """
 from __future__ import annotations
 
@@ -24,75 +34,123 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fzero  # noqa: E402
 import transforms  # noqa: E402
 from models import gpt  # noqa: E402
 
+EAGER = ("backward only", "reduce in step", "grad_and_value, overlap=False", "grad_and_value, overlap=True")
 
-def worker(rank, world_size, rdzv, args, reorder, out):
-    torch.set_num_threads(1)
-    torch._inductor.config.reorder_for_compute_comm_overlap = reorder
+
+def setup(rank, world_size, rdzv, args):
+    torch.set_num_threads(1)  # N ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(minutes=10))
     cfg = gpt.GPTConfig(256, block_size=args.seq, n_layer=args.layers, n_head=4, n_embd=args.width)
     engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float32, loss_scale=None,
-                         bucket_bytes=args.bucket_mb * 2**20, donate=True)
+                         bucket_bytes=int(args.bucket_mb * 2**20), donate=True)
     params, state, ss = engine.init(gpt.init(torch.Generator().manual_seed(0), cfg))
-    loss_fn = functools.partial(gpt.loss, config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    batch = tuple(torch.randint(0, 256, (args.batch, args.seq), generator=g) for _ in range(2))
+    return engine, params, state, ss, functools.partial(gpt.loss, config=cfg), batch
+
+
+def eager_worker(rank, world_size, rdzv, args, out):
+    engine, params, state, ss, loss_fn, batch = setup(rank, world_size, rdzv, args)
+    grad_fns = {
+        "backward only": lambda p: torch.func.grad_and_value(loss_fn)(p, batch),
+        "reduce in step": lambda p: torch.func.grad_and_value(loss_fn)(p, batch),
+        "grad_and_value, overlap=False": lambda p: engine.grad_and_value(loss_fn, overlap=False)(p, batch),
+        "grad_and_value, overlap=True": lambda p: engine.grad_and_value(loss_fn, overlap=True)(p, batch),
+    }
+    times = {m: ([], []) for m in EAGER}
+
+    def one(mode):
+        nonlocal params, state, ss
+        dist.barrier()
+        t0 = time.perf_counter()
+        grads, _ = grad_fns[mode](params)
+        t1 = time.perf_counter()
+        if mode != "backward only":
+            params, state, ss, _ = engine.step(params, grads, state, ss)
+        return t1 - t0, time.perf_counter() - t0
+
+    for i in range(args.warmup + args.steps):
+        for mode in EAGER:  # interleaved: drift in machine load hits every mode alike
+            a, b = one(mode)
+            if i >= args.warmup:
+                times[mode][0].append(a)
+                times[mode][1].append(b)
+    if args.trace:
+        with torch.profiler.profile() as prof:
+            for _ in range(2):
+                one("grad_and_value, overlap=True")
+        if rank == 0:
+            prof.export_chrome_trace(args.trace)
+    if rank == 0:
+        res = {m: (statistics.median(a) * 1e3, statistics.median(b) * 1e3) for m, (a, b) in times.items()}
+        torch.save({"ms": res, "buckets": len(engine.layout.buckets), "P": engine.layout.numel}, out)
+    dist.destroy_process_group()
+
+
+def compiled_worker(rank, world_size, rdzv, args, reorder, out):
+    torch._inductor.config.reorder_for_compute_comm_overlap = reorder
+    engine, params, state, ss, loss_fn, batch = setup(rank, world_size, rdzv, args)
 
     def train_step(params, state, ss, batch):
         grads, loss = torch.func.grad_and_value(lambda p: loss_fn(p, batch))(params)
         return engine.step(params, grads, state, ss)
 
     step = torch.compile(train_step, fullgraph=True)
-    g = torch.Generator().manual_seed(rank)
-    batch = tuple(torch.randint(0, 256, (args.batch, args.seq), generator=g) for _ in range(2))
     times = []
     for i in range(args.warmup + args.steps):
         dist.barrier()
         t0 = time.perf_counter()
         params, state, ss, _ = step(params, state, ss, batch)
         times.append(time.perf_counter() - t0)
-    if reorder and args.trace and rank == 0:
-        with torch.profiler.profile() as prof:
-            for _ in range(2):
-                params, state, ss, _ = step(params, state, ss, batch)
-        prof.export_chrome_trace(args.trace)
-    elif reorder and args.trace:
-        for _ in range(2):
-            params, state, ss, _ = step(params, state, ss, batch)
     if rank == 0:
-        torch.save({"ms": statistics.median(times[args.warmup:]) * 1e3, "buckets": len(engine.layout.buckets),
-                    "P": engine.layout.numel}, out)
+        torch.save({"ms": statistics.median(times[args.warmup:]) * 1e3}, out)
     dist.destroy_process_group()
+
+
+def spawn(worker, world_size, *args):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "res.pt")
+        mp.spawn(worker, args=(world_size, os.path.join(tmp, "rdzv"), *args, out), nprocs=world_size)
+        return torch.load(out, weights_only=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8, help="per rank")
-    ap.add_argument("--bucket-mb", type=float, default=2.0)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=2, help="per rank")
+    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--trace", default="benchmarks/results/overlap_trace_rank0.json")
+    ap.add_argument("--compiled", action="store_true", help="also the whole step compiled, reordering off/on")
+    ap.add_argument("--trace", default="benchmarks/results/overlap_trace_rank0.json", help="'' for none")
     args = ap.parse_args(argv)
-    res = {}
-    for reorder in (False, True):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "res.pt")
-            mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "rdzv"), args, reorder, out), nprocs=args.world_size)
-            res[reorder] = torch.load(out, weights_only=True)
-    r0 = res[False]
-    print(f"\nGPT {r0['P'] / 1e6:.2f}M params (FP32), {r0['buckets']} buckets, {args.world_size} gloo ranks, "
-          f"batch {args.batch}x{args.seq} per rank, whole train step compiled, median of {args.steps}")
-    print(f"  reordering off: {res[False]['ms']:.1f} ms/step")
-    print(f"  reordering on:  {res[True]['ms']:.1f} ms/step  ({res[False]['ms'] / res[True]['ms']:.2f}x)")
+
+    r = spawn(eager_worker, args.world_size, args)
+    ms = r["ms"]
+    print(f"\nGPT {r['P'] / 1e6:.2f}M params (FP32 grads, {4 * r['P'] / 2**20:.0f} MiB), {r['buckets']} buckets, "
+          f"{args.world_size} gloo ranks, batch {args.batch}x{args.seq} per rank, eager, "
+          f"median of {args.steps} interleaved iterations, {datetime.date.today()}")
+    print(f"  {'':34s} {'fwd+bwd(+RS) ms':>16s} {'whole step ms':>14s}")
+    for m in EAGER:
+        print(f"  {m:34s} {ms[m][0]:16.1f} {ms[m][1] if m != 'backward only' else float('nan'):14.1f}")
+    floor, sync, over = ms["backward only"][0], ms["grad_and_value, overlap=False"][0], ms["grad_and_value, overlap=True"][0]
+    print(f"  reduce-scatter cost beyond backward: waited {sync - floor:.1f} ms, overlapped {over - floor:.1f} ms "
+          f"({(sync - over) / max(sync - floor, 1e-9):.0%} hidden); overlap/no-overlap {over / sync:.3f}x")
     if args.trace:
-        print(f"  trace: {args.trace}")
+        print(f"  trace (rank 0, two overlapped steps): {args.trace}")
+    if args.compiled:
+        off = spawn(compiled_worker, args.world_size, args, False)["ms"]
+        on = spawn(compiled_worker, args.world_size, args, True)["ms"]
+        print(f"  whole step compiled, inductor reordering off: {off:.1f} ms, on: {on:.1f} ms ({off / on:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
     make train                                                     # nano GPT, FP16, 2 CPU ranks
 
 Every rank samples the same global batch and trains on its own rows of it. The engine
-reduce-scatters the grads, updates this rank's 1/N shard of the FP32 master weights and Adam
-moments, and all-gathers the new FP16/BF16 params. The default data is character-level
+reduce-scatters the grads bucket by bucket while backward still runs (engine.grad_and_value),
+updates this rank's 1/N shard of the FP32 master weights and Adam moments, and all-gathers
+the new FP16/BF16 params. The default data is character-level
 Python: the standard library's own sources (see data.py); --data FILE trains on your text.
 
 Writes <out>/metrics.jsonl (one record per step, then {"summary": ...}) and <out>/loss.png.
@@ -65,6 +66,11 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="write a sharded checkpoint to <out>/ckpt/step-<N> every N steps (0: never)")
     p.add_argument("--resume", metavar="DIR", help="continue from this checkpoint (any world size)")
+    p.add_argument("--bucket-mb", type=float, default=0.0,
+                   help="communication buckets of about this many MiB of params (0: one bucket): %(default)s")
+    p.add_argument("--comm-every", type=int, default=50, metavar="N",
+                   help="every N steps, time each bucket's reduce-scatter and all-gather alone into the log "
+                        "(0: never; needs 2+ ranks): %(default)s")
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be positive")
@@ -120,13 +126,15 @@ def build(args, device):
 
 # ---------------------------------------------------------------- the step
 def train_step(engine, loss_fn, params, state, scaler_state, batch):
-    """One optimizer step, a pure function with no host sync. Also returns this rank's
-    (unscaled) loss and the engine's ``info``."""
+    """One optimizer step with no host sync. Also returns this rank's (unscaled) loss and the
+    engine's ``info``. The grads come back already reduce-scattered: each bucket's collective
+    starts inside backward (``torch.func.grad_and_value(scaled_loss)(params)`` works too, and
+    then ``engine.step`` reduces after backward)."""
 
     def scaled_loss(p):
         return fzero.scale_loss(loss_fn(p, batch), scaler_state)
 
-    grads, loss = torch.func.grad_and_value(scaled_loss)(params)
+    grads, loss = engine.grad_and_value(scaled_loss)(params)
     loss = loss / scaler_state.scale  # the scale this step used (1 without loss scaling)
     params, state, scaler_state, info = engine.step(params, grads, state, scaler_state)
     return params, state, scaler_state, loss, info
@@ -160,7 +168,8 @@ def main(argv=None):
     )
     dtype = DTYPES[args.dtype]
     loss_scale = fzero.DynamicLossScale() if dtype == torch.float16 else None  # BF16 and FP32 need none
-    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale)
+    bucket_bytes = int(args.bucket_mb * 2**20) or None
+    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes)
     params, state, scaler_state = engine.init(params_fp32)  # params in --dtype; FP32 state, 1/N of it
 
     state_bytes = engine.state_bytes(state)
@@ -173,7 +182,8 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
-        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments, 1/{world} each)")
+        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments, 1/{world} each); "
+              f"{len(engine.layout.buckets)} communication bucket(s)")
     log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
 
     first_step = 1
@@ -213,6 +223,9 @@ def main(argv=None):
                 "tokens_per_s": tokens_per_step / step_time,
                 "opt_state_bytes": state_bytes,
             }
+            if args.comm_every and world > 1 and (step % args.comm_every == 0 or step == first_step):
+                comm = engine.time_collectives()  # per bucket, each alone, max over ranks
+                record["comm_ms"] = {k: [round(t, 3) for t in ts] for k, ts in comm.items()}
             records.append(record)
             if log:
                 log.write(json.dumps(record) + "\n")

@@ -11,6 +11,7 @@ world of one) means one process, and no collective is ever called.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
@@ -83,32 +84,42 @@ class Comm:
                 "re-run engine.init (or load a checkpoint) at the new world size"
             )
 
-    def _call(self, what: str, fn, *args) -> torch.Tensor:
-        """Run one functional collective and wait for it; in eager mode a failure (e.g. a dead
-        peer: gloo/NCCL raise after the process group's timeout at the latest) is re-raised
-        naming the collective and this rank."""
+    def _call(self, what: str, fn, *args, wait: bool = True) -> torch.Tensor:
+        """Run one functional collective and (unless ``wait=False``) wait for it; in eager mode
+        a failure (e.g. a dead peer: gloo/NCCL raise after the process group's timeout at the
+        latest) is re-raised naming the collective and this rank."""
         if torch.compiler.is_compiling():
             return _wait(fn(*args))
         try:
-            return _wait(fn(*args))
+            out = fn(*args)
         except RuntimeError as e:
             raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
+        return self.wait(out, what) if wait else out
+
+    def wait(self, x: torch.Tensor, what: str = "collective") -> torch.Tensor:
+        """Wait for a collective started with ``wait=False``; errors name ``what`` and this rank."""
+        try:
+            return _wait(x)
+        except RuntimeError as e:
+            raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
+
+    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+        """Bucket ``i``'s ``[N*S_b]`` buffer -> this rank's ``[S_b]`` slice of its sum over ranks.
+
+        ``wait=False`` returns while the collective is in flight (an ``AsyncCollectiveTensor``
+        that waits when first used, or explicitly via ``wait``): how backward overlaps it."""
+        b = layout.buckets[i]
+        if self.world_size == 1:
+            return x
+        if self.simulated:
+            return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.world_size
+        what = f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
+        return self._call(what, _reduce_scatter, x, "sum", 0, self.group, wait=wait)
 
     def reduce_scatter_sum(self, buckets: list[torch.Tensor], layout: Layout) -> torch.Tensor:
         """Per-bucket ``[N*S_b]`` buffers -> this rank's ``[S]`` shard of the elementwise sum
         over ranks (its slice of every bucket, concatenated)."""
-        if self.world_size == 1:
-            return buckets[0] if len(buckets) == 1 else torch.cat(buckets)
-        if self.simulated:
-            parts = [x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.world_size for x, b in zip(buckets, layout.buckets)]
-        else:
-            parts = [
-                self._call(
-                    f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)",
-                    _reduce_scatter, x, "sum", 0, self.group,
-                )
-                for i, x in enumerate(buckets)
-            ]
+        parts = [self.reduce_scatter_bucket(x, i, layout) for i, x in enumerate(buckets)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -135,6 +146,33 @@ class Comm:
         if self.simulated:
             return x * self.world_size
         return self._call("all_reduce of the grad norm and found_inf", _all_reduce, x, "sum", self.group)
+
+    def time_buckets(self, layout: Layout, reduce_dtype: torch.dtype, gather_dtype: torch.dtype,
+                     device: torch.device) -> dict[str, list[float]]:
+        """Milliseconds of each bucket's reduce-scatter and all-gather, each run alone after a
+        barrier on zero buffers of the step's sizes and dtypes, the max over ranks (the same on
+        every rank). Off the hot path: it syncs the host, for a metrics log every few steps."""
+        if self.world_size == 1 or self.simulated:
+            return {"reduce_scatter_ms": [], "all_gather_ms": []}
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+        def timed(fn) -> float:
+            dist.barrier(group=self.group)
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            return (time.perf_counter() - t0) * 1e3
+
+        rs, ag = [], []
+        for i, b in enumerate(layout.buckets):
+            x = torch.zeros(self.world_size * b.shard, dtype=reduce_dtype, device=device)
+            rs.append(timed(lambda: self.reduce_scatter_bucket(x, i, layout)))
+            y = torch.zeros(b.shard, dtype=gather_dtype, device=device)
+            ag.append(timed(lambda: self._call(f"all_gather (timing bucket {i})", _all_gather, y, 0, self.group)))
+        t = torch.tensor([rs, ag], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return {"reduce_scatter_ms": t[0].tolist(), "all_gather_ms": t[1].tolist()}
 
     def all_gather_object(self, obj) -> list:
         """Off the hot path only (init, errors): pickles ``obj`` to every rank."""

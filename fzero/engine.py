@@ -21,7 +21,7 @@ import torch
 
 from transforms.base import scalar
 
-from . import checks
+from . import backward, checks
 from .comm import Comm, predivide_factor
 from .flat import Layout, flatten_buckets, make_layout, split_buckets, tree_shard, unflatten
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
@@ -42,9 +42,10 @@ class ZeroState(NamedTuple):
 class Accumulated(NamedTuple):
     """Gradients summed over ``count`` micro-batches (see ``Engine.accumulate``).
 
-    ``grads``: FP32, this rank's (scaled) grads summed over micro-batches: the flat ``[N*S]``
-    buffer (stage 1, 4P bytes), or this rank's ``[S]`` shard already summed over ranks
-    (stage 2, 4P/N bytes). ``count``: 0-d int32 number of micro-batches in the sum."""
+    ``grads``: this rank's (scaled) grads summed over micro-batches: the FP32 flat ``[N*S]``
+    buffer (stage 1 ``accumulate``, 4P bytes), or this rank's ``[S]`` shard already summed
+    over ranks (stage 2 ``accumulate``, 4P/N bytes; or one micro-batch from
+    ``grad_and_value``). ``count``: 0-d int32 number of micro-batches in the sum."""
 
     grads: torch.Tensor
     count: torch.Tensor
@@ -238,6 +239,9 @@ class Engine:
         n = self.comm.world_size
         return 1.0 if n == 1 or self.reduce_dtype == torch.float32 else predivide_factor(n)
 
+    def _reduce_dtype(self) -> torch.dtype:
+        return self.param_dtype if self.comm.world_size == 1 else self.reduce_dtype
+
     def _flat_to_reduce(self, grads: Any) -> tuple[list[torch.Tensor], float]:
         """``(buckets, pre)``: the grads as one buffer per bucket in the reduce dtype,
         pre-divided by ``pre``.
@@ -246,8 +250,7 @@ class Engine:
         the param dtype with FSDP's split of the 1/N (``pre`` ~ sqrt(N) before, the rest after).
         World size 1 reduces nothing: the grads keep their dtype and the step's FP32 cast fuses.
         """
-        dtype = self.param_dtype if self.comm.world_size == 1 else self.reduce_dtype
-        buckets, pre = self._grad_buckets(grads, dtype), self._pre()
+        buckets, pre = self._grad_buckets(grads, self._reduce_dtype()), self._pre()
         return (buckets, pre) if pre == 1.0 else ([x / pre for x in buckets], pre)
 
     def _is_flat(self, grads: Any) -> bool:
@@ -281,7 +284,7 @@ class Engine:
         """``(shard, pre, micro)``: this rank's ``[S]`` sum over ranks, its pre-division, and
         the number of micro-batches summed."""
         if isinstance(grads, Accumulated):
-            if self.stage == 2:  # reduced at every micro-batch already
+            if grads.grads.shape == (self.layout.shard_numel,):  # reduced already (stage 2, overlap)
                 return grads.grads, self._pre(), grads.count
             return self.comm.reduce_scatter_sum(split_buckets(grads.grads, self.layout), self.layout), 1.0, grads.count
         flat, pre = self._flat_to_reduce(grads)
@@ -297,7 +300,13 @@ class Engine:
         accumulating (it only changes in ``step``): an inf/NaN in any micro-batch makes the sum
         non-finite, so the whole update is skipped.
         """
-        self._ready()
+        layout, _ = self._ready()
+        if isinstance(grads, Accumulated):  # reduced already (grad_and_value): add shards
+            if acc is not None and acc.grads.shape != grads.grads.shape:
+                raise ValueError(f"cannot add grads of shape {tuple(grads.grads.shape)} to a sum of shape "
+                                 f"{tuple(acc.grads.shape)}: accumulate either reduced shards or unreduced grads")
+            part = grads.grads.float()
+            return Accumulated(part, grads.count) if acc is None else Accumulated(acc.grads + part, acc.count + grads.count)
         if self.stage == 2:
             flat, _ = self._flat_to_reduce(grads)
             part = self.comm.reduce_scatter_sum(flat, self.layout).float()
@@ -308,6 +317,33 @@ class Engine:
             return Accumulated(part, torch.ones((), dtype=torch.int32, device=self.device))
         return Accumulated(acc.grads + part, acc.count + 1)
 
+    def grad_and_value(self, fn, *, has_aux: bool = False, overlap: bool = True):
+        """``torch.func.grad_and_value(fn)`` for the params (first argument), with each
+        bucket's reduce-scatter started *inside* backward, as soon as that bucket's grads
+        exist (see ``fzero.backward``): communication overlaps the rest of backward.
+
+        Returns ``g(params, *args, **kwargs) -> (grads, value)``: ``params`` as from ``init``/
+        ``step`` (pytree or flat buffer), ``fn(params, ...)`` returns the (scaled) 0-d loss, or
+        ``(loss, aux)`` with ``has_aux``; ``grads`` is an ``Accumulated`` of this rank's ``[S]``
+        reduced shard for ``step`` (or ``accumulate``, which then adds shards: 4P/N bytes at
+        any stage). ``overlap=False`` waits for each bucket inside backward instead (same
+        results bitwise; for measuring). Eager only; under ``torch.compile`` differentiate
+        the whole step with ``flat_params``."""
+
+        def grad_fn(params, *args, **kwargs):
+            layout, comm = self._ready()
+            flat = params if self._is_flat(params) else self.flat_params(params)
+            dtype, pre = self._reduce_dtype(), self._pre()
+
+            def start_bucket(buf: torch.Tensor, i: int) -> torch.Tensor:  # buf: [N*S_b] grads in dtype, ours
+                return comm.reduce_scatter_bucket(buf if pre == 1.0 else buf.div_(pre), i, layout, wait=not overlap)
+
+            shard, value = backward.grad_and_value(fn, flat, layout, start_bucket, comm.wait, args, kwargs,
+                                                   dtype=dtype, has_aux=has_aux)
+            return Accumulated(shard, torch.ones((), dtype=torch.int32, device=self.device)), value
+
+        return grad_fn
+
     def _ready(self) -> tuple[Layout, Comm]:
         if self.layout is None:
             raise RuntimeError("engine.step called before engine.init")
@@ -315,6 +351,14 @@ class Engine:
         return self.layout, self.comm
 
     # ------------------------------------------------------------------ helpers
+    def time_collectives(self) -> dict[str, list[float]]:
+        """Per-bucket milliseconds of the step's reduce-scatter (in the reduce dtype) and
+        all-gather (param dtype), each measured alone, max over ranks; empty lists at world
+        size 1. A collective call (every rank must make it) that syncs the host: for a metrics
+        log every few steps, not for the hot loop."""
+        layout, comm = self._ready()
+        return comm.time_buckets(layout, self._reduce_dtype(), self.param_dtype, self.device)
+
     def state_bytes(self, state: ZeroState) -> int:
         """Bytes of tensor storage this rank holds for optimizer state (master + transform)."""
         return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor))

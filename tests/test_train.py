@@ -49,13 +49,20 @@ def mean(xs):
 def test_two_ranks_fp16_log_is_complete_loss_falls_params_agree(tmp_path):
     steps = 40
     records, summary, proc = train(
-        tmp_path / "run", *SMALL_GPT, "--dtype", "fp16", "--steps", str(steps), "--eval-every", "10", nproc=2
+        tmp_path / "run", *SMALL_GPT, "--dtype", "fp16", "--steps", str(steps), "--eval-every", "10",
+        "--bucket-mb", "0.1", "--comm-every", "20", nproc=2,
     )
     # One record per step, in order, with every key and sane types.
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     skipped = 0
     for r in records:
-        assert set(r) == STEP_KEYS
+        if r["step"] in (1, 20, 40):  # per-bucket collective times, every --comm-every steps and the first
+            assert set(r) == STEP_KEYS | {"comm_ms"}
+            assert sorted(r["comm_ms"]) == ["all_gather_ms", "reduce_scatter_ms"]
+            assert len(r["comm_ms"]["reduce_scatter_ms"]) == len(r["comm_ms"]["all_gather_ms"]) >= 2
+            assert all(t > 0 for ts in r["comm_ms"].values() for t in ts)
+        else:
+            assert set(r) == STEP_KEYS
         assert isinstance(r["found_inf"], bool)
         skipped += r["found_inf"]
         assert r["skipped_total"] == skipped

@@ -1,0 +1,162 @@
+"""engine.grad_and_value: reduce-scatter started inside backward (fzero/backward.py).
+
+Same results as differentiating the pytree and reducing in ``step`` (bitwise), at 1, 2 and 3
+ranks, bucketed or not, FP32 or FP16 reduce; the collectives really start before backward
+ends and are waited only after it; unused leaves count as zero; errors name what is wrong.
+"""
+import functools
+
+import pytest
+import torch
+
+import fzero
+import fzero.comm
+import transforms
+from distributed import run_ranks
+from models import mlp
+
+DIMS = (8, 32, 32, 4)
+STEPS = 3
+SCALE = 8.0
+
+
+def setup(param_dtype, reduce_dtype=torch.float32, bucket_bytes=None, unused=False):
+    p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
+    if unused:  # a leaf the loss never touches (its own bucket when bucketed: the last leaf)
+        p0["unused"] = torch.ones(5)
+    loss_scale = fzero.StaticLossScale(SCALE) if param_dtype == torch.float16 else None
+    engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=param_dtype,
+                         loss_scale=loss_scale, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+    return engine, *engine.init(p0)
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, DIMS[0], generator=g), torch.randn(6, DIMS[-1], generator=g)
+
+
+def scaled_loss(params, b, ss):
+    return fzero.scale_loss(mlp.loss({"layers": params["layers"]}, b), ss)
+
+
+def run(rank, engine, params, state, ss, *, mode, micro=1):
+    """STEPS steps; ``mode``: "pytree" (torch.func.grad, reduced in step), "overlap" or "sync"."""
+    gv = engine.grad_and_value(scaled_loss, overlap=mode == "overlap")
+    for step in range(STEPS):
+        acc = None
+        for m in range(micro):
+            b = batch(rank, 10 * step + m)
+            if mode == "pytree":
+                grads = torch.func.grad(scaled_loss)(params, b, ss)
+            else:
+                grads, loss = gv(params, b, ss)
+                assert loss.requires_grad is False
+            acc = grads if micro == 1 else engine.accumulate(acc, grads)
+        params, state, ss, info = engine.step(params, acc, state, ss)
+        assert not info["found_inf"]
+    return fzero.flatten(params, engine.layout), state.master
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bucket_bytes", [None, 256])
+def test_one_process_bitwise_equal_to_pytree_grads(param_dtype, bucket_bytes):
+    ref = run(0, *setup(param_dtype, bucket_bytes=bucket_bytes), mode="pytree")
+    for mode in ("overlap", "sync"):
+        out = run(0, *setup(param_dtype, bucket_bytes=bucket_bytes), mode=mode)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), mode
+
+
+CONFIGS = [  # (param_dtype, reduce_dtype, bucket_bytes, unused)
+    (torch.float16, torch.float32, 256, False),
+    (torch.float16, torch.float16, 256, True),
+    (torch.bfloat16, torch.float32, None, True),
+]
+
+
+def compare_modes(rank, world_size):
+    out = []
+    for cfg in CONFIGS:
+        res = {mode: run(rank, *setup(*cfg), mode=mode) for mode in ("pytree", "overlap", "sync")}
+        out.append(res)
+    # micro-batches: shards from grad_and_value summed by accumulate == stage-1 accumulation
+    acc = {mode: run(rank, *setup(torch.float16, bucket_bytes=256), mode=mode, micro=2) for mode in ("pytree", "overlap")}
+    return out, acc
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_bitwise_equal_to_pytree_grads(world_size):
+    results = run_ranks(compare_modes, world_size)
+    for rank, (out, acc) in enumerate(results):
+        for cfg, res in zip(CONFIGS, out):
+            for mode in ("overlap", "sync"):
+                assert torch.equal(res[mode][0], res["pytree"][0]), (rank, cfg, mode)
+                assert torch.equal(res[mode][1], res["pytree"][1]), (rank, cfg, mode)
+        # summing reduced shards vs reducing the sum: same to rounding
+        torch.testing.assert_close(acc["overlap"][1], acc["pytree"][1], rtol=1e-6, atol=1e-6)
+    for rank in range(1, world_size):  # and every rank holds the same params
+        for res, res0 in zip(results[rank][0], results[0][0]):
+            assert torch.equal(res["overlap"][0], res0["overlap"][0])
+
+
+def collective_order(rank, world_size):
+    """Log reduce-scatter starts, waits, and a point late in backward (the first layer's input grad)."""
+    events = []
+    rs, wait = fzero.comm._reduce_scatter, fzero.comm._wait
+
+    def logged_rs(x, *a, **k):
+        events.append("start")
+        return rs(x, *a, **k)
+
+    def logged_wait(x):
+        if isinstance(x, fzero.comm.funcol.AsyncCollectiveTensor):
+            events.append("wait")
+        return wait(x)
+
+    fzero.comm._reduce_scatter, fzero.comm._wait = logged_rs, logged_wait
+    engine, params, state, ss = setup(torch.float32, bucket_bytes=4 * 100)  # one bucket per layer
+
+    def loss(p, b):
+        x, y = b
+        h = x @ p["layers"][0]["w"] + p["layers"][0]["b"]
+        h.register_hook(lambda g: events.append("late"))  # fires once only layer 0's grads are left
+        for layer in p["layers"][1:]:
+            h = torch.nn.functional.gelu(h) @ layer["w"] + layer["b"]
+        return torch.nn.functional.mse_loss(h, y)
+
+    out = {}
+    for overlap in (True, False):
+        events.clear()
+        engine.grad_and_value(loss, overlap=overlap)(params, batch(rank, 0))
+        out[overlap] = list(events)
+    return out, len(engine.layout.buckets)
+
+
+def test_reduce_scatters_start_in_backward_and_wait_after_it():
+    (out, n), _ = run_ranks(collective_order, 2)
+    assert n >= 3
+    # overlap: buckets of the later layers start before backward reaches layer 0; nothing waits
+    # until backward is done
+    ev = out[True]
+    assert ev.count("start") == n and ev.count("wait") == n
+    assert ev.index("start") < ev.index("late") < max(i for i, e in enumerate(ev) if e == "start")
+    assert "wait" not in ev[: ev.index("late") + 1]
+    # overlap=False: each start is waited for at once, inside backward
+    ev = out[False]
+    assert [e for e in ev if e != "late"] == ["start", "wait"] * n and ev.index("wait") < ev.index("late")
+
+
+def test_bad_loss_and_mixed_accumulation_raise():
+    engine, params, state, ss = setup(torch.float32)
+    with pytest.raises(TypeError, match="0-d floating loss"):
+        engine.grad_and_value(lambda p, b: mlp.apply(p, b[0]))(params, batch(0, 0))
+    (loss, aux) = engine.grad_and_value(lambda p, b: (mlp.loss(p, b), "aux"), has_aux=True)(params, batch(0, 0))[1]
+    assert aux == "aux" and loss.ndim == 0
+    # rank 0 of 2 (simulated): a stage-1 sum of unreduced grads cannot take a reduced shard
+    p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, simulate=(0, 2))
+    params, state, ss = engine.init(p0)
+    acc = engine.accumulate(None, torch.func.grad(mlp.loss)(params, batch(0, 0)))
+    shard, _ = engine.grad_and_value(mlp.loss)(params, batch(0, 0))
+    assert shard.grads.shape == (engine.layout.shard_numel,) != acc.grads.shape
+    with pytest.raises(ValueError, match="accumulate either reduced shards or unreduced grads"):
+        engine.accumulate(acc, shard)
