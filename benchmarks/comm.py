@@ -5,10 +5,12 @@ Same nn.Module, same global batch, one run, for each recipe:
 * DDP + torch.optim.AdamW (FP32)                      -- the usual baseline
 * DDP + torch ZeroRedundancyOptimizer(AdamW) (FP32)   -- torch's ZeRO-1 (whole params per rank)
 * fzero stage 1, FP32 params and BF16 params          -- element-wise ZeRO-1, FP32 master
+* fzero stage 1 + overlap (FP32)                      -- ``engine.grad_and_value``: reduce-scatter in backward
 * fzero stage 1 / stage 2 with 2 micro-batches (BF16)  -- gradient accumulation, 4P vs 4P/N buffer
 * fzero stage 1 with ``offload="cpu"`` (BF16)          -- (on a CPU box this only shows the cost)
 
-fzero runs the module through ``models.module.functional`` and ``torch.func.grad_and_value``.
+fzero runs the module through ``models.module.functional`` and ``torch.func.grad_and_value``
+(or ``engine.grad_and_value`` for the overlapped row).
 Per recipe and rank 0: median step time, optimizer-state bytes per param (rank max), bytes held
 (params + grads + optimizer state + accumulation buffer), collectives per step and bytes per step
 (counted by wrapping the calls: DDP through a comm hook, ZeRO by wrapping ``dist.broadcast``,
@@ -124,18 +126,20 @@ def ddp_recipe(model, loss_fn, zero, counter):
     return step, held
 
 
-def fzero_recipe(model, loss_fn, dtype, counter, **kw):
+def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, **kw):
     params32, apply = functional(model)
     engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, loss_scale=None, **kw)
     carry = list(engine.init(params32))
     del params32
     module_loss = lambda p, b: loss_fn(lambda *xs: apply(p, *[x.to(dtype) if x.is_floating_point() else x for x in xs]), b)
+    # overlap: each bucket's reduce-scatter starts inside backward; else after it, in engine.step
+    grad_fn = engine.grad_and_value(module_loss) if overlap else torch.func.grad_and_value(module_loss)
     last = {}
 
     def step(batches):
         acc = None
         for b in batches:
-            grads, _ = torch.func.grad_and_value(lambda p: module_loss(p, b))(carry[0])
+            grads, _ = grad_fn(carry[0], b)
             acc = grads if len(batches) == 1 else engine.accumulate(acc, grads)
         last["acc"] = acc if len(batches) > 1 else None
         last["grads"] = grads
@@ -151,6 +155,8 @@ RECIPES = {
     "DDP + AdamW (FP32)": dict(kind="ddp", zero=False),
     "DDP + ZeroRedundancyOptimizer (FP32)": dict(kind="ddp", zero=True),
     "fzero stage 1 (FP32 params)": dict(kind="fzero", dtype=torch.float32),
+    "fzero stage 1 + overlap, 8 MiB buckets (FP32)": dict(kind="fzero", dtype=torch.float32, overlap=True,
+                                                           bucket_bytes=8 * 2**20),
     "fzero stage 1 (BF16 params)": dict(kind="fzero", dtype=torch.bfloat16),
     "fzero stage 1, 2 micro-batches (BF16)": dict(kind="fzero", dtype=torch.bfloat16, micro=2),
     "fzero stage 2, 2 micro-batches (BF16)": dict(kind="fzero", dtype=torch.bfloat16, micro=2, stage=2),

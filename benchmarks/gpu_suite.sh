@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script that fits the device tool's 8-minute budget (one H200):
-# the optimizer-step table at 1e9 elements, the memory table, the no-host-sync check and the
+# the optimizer-step table at 1e9 elements, the memory table (with CPU offload's device bytes and
+# step time), the no-host-sync check and the
 # GPT-2-small throughput comparison. Results land in $OUT (default benchmarks/results/gpu).
 #   bash benchmarks/gpu_suite.sh            # full sizes, on the GPU machine
 #   QUICK=1 bash benchmarks/gpu_suite.sh    # tiny sizes: rehearse the script on a CPU
@@ -10,10 +11,10 @@ OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python}
 if [ -n "${QUICK:-}" ]; then
-  STEP="--numel 2e5 --tensors 20 --iters 3 --device cpu"; MEM="--sizes 1e6 --world-sizes 1 8 --device cpu"
+  STEP="--numel 2e5 --tensors 20 --iters 3 --device cpu"; MEM="--sizes 1e6 --world-sizes 1 8 --device cpu --offload-sizes 1e5"
   GPT="--device cpu --preset tiny --batch 2 --seq 64 --steps 2 --no-compile"
 else
-  STEP="--numel 1e9 --device cuda"; MEM="--sizes 124439808 1e9 --world-sizes 1 8 64 --device cuda --max-gib 100"
+  STEP="--numel 1e9 --device cuda"; MEM="--sizes 124439808 1e9 --world-sizes 1 8 64 --device cuda --max-gib 100 --offload-sizes 124439808"
   GPT="--device cuda --preset gpt2 --batch 16 --steps 10"
 fi
 run() { echo "== $*"; timeout "${LIMIT:-200}" "$PY" "$@" 2>&1 | tee -a "$OUT/suite.log"; }

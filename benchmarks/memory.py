@@ -10,6 +10,10 @@ FP32 shard of the reduced sum, 4P/N).
 
     python benchmarks/memory.py                          # 124M and 1B params, N = 1, 8, 64 (CPU)
     python benchmarks/memory.py --sizes 1e9 --world-sizes 8 64 --device cuda
+    python benchmarks/memory.py --sizes 1e6 --offload-sizes 1e8 --world-sizes 1 8 --device cuda
+
+With ``--offload-sizes``, also ``offload="cpu"`` beside the on-device engine: the bytes left on
+the device (it should drop by the 12P/N of master and moments) and both step times.
 
 Formulas (bytes per rank, mixed-precision AdamW): DDP 16P; ZeRO-1 4P + 12P/N; ZeRO-2 2P + 14P/N;
 ZeRO-3 16P/N.
@@ -21,6 +25,7 @@ import gc
 import json
 import os
 import sys
+import time
 
 import optree
 import torch
@@ -84,12 +89,44 @@ def measure(P: int, N: int, device: torch.device, leaves: int = 16) -> dict:
     return out
 
 
+def device_bytes(device: torch.device, *trees) -> int:
+    """``storage_bytes`` of the tensors in ``trees`` that live on ``device``."""
+    return storage_bytes([t for t in optree.tree_leaves(trees) if isinstance(t, torch.Tensor) and t.device == device])
+
+
+def measure_offload(P: int, N: int, device: torch.device, steps: int = 2) -> dict:
+    """Rank 0 of N (simulated), on the device and with ``offload="cpu"``: bytes on ``device``
+    after a step, and the step's seconds (median of ``steps`` after one warm-up)."""
+    out = {}
+    for offload in (None, "cpu"):
+        init_params = {"w": torch.full((P,), 0.01, dtype=torch.float16, device=device)}
+        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, simulate=(0, N), offload=offload)
+        params, state, ss = engine.init(init_params)
+        del init_params
+        grads = optree.tree_map(lambda p: torch.full_like(p, 1e-3), params)
+        times = []
+        for _ in range(steps + 1):
+            t = time.perf_counter()
+            params, state, ss, _ = engine.step(params, grads, state, ss)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        key = "offload" if offload else "device"
+        out[f"{key}_bytes"] = device_bytes(device, params, grads, state, ss)
+        out[f"{key}_s"] = sorted(times[1:])[len(times[1:]) // 2]
+        del params, grads, state, ss, engine
+        gc.collect()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=float, nargs="+", default=[124_439_808, 1e9])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--max-gib", type=float, default=14.0, help="skip rows whose ZeRO-1 formula exceeds this")
+    ap.add_argument("--offload-sizes", type=float, nargs="*", default=[],
+                    help="also measure offload='cpu' at these sizes: device bytes and step time beside on-device")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -114,6 +151,18 @@ def main(argv=None):
     print(table(rows, ["P", "N", "DDP 16P", "ZeRO-1 4P+12P/N", "ZeRO-2 2P+14P/N", "ZeRO-3 16P/N",
                        "fzero held", "held / ZeRO-1", "fzero opt state", "12P/N",
                        "accum buf stage 1", "accum buf stage 2", "peak in step"]))
+    off_rows = []
+    for P in map(int, args.offload_sizes):
+        for N in args.world_sizes:
+            m = measure_offload(P, N, device)
+            results.append({"P": P, "N": N, "offload": m})
+            off_rows.append([f"{P / 1e6:.0f}M", N, f"{m['device_bytes'] / GB:.3f}", f"{m['offload_bytes'] / GB:.3f}",
+                             f"{(m['device_bytes'] - m['offload_bytes']) / GB:.3f}", f"{12 * P / N / GB:.3f}",
+                             f"{m['device_s'] * 1e3:.1f}", f"{m['offload_s'] * 1e3:.1f}"])
+    if off_rows:
+        print(f"\noffload='cpu' (eager step): GiB on {device.type} after a step, and step ms (median)\n")
+        print(table(off_rows, ["P", "N", "on device", "offload", "drop", "12P/N", "step ms on device",
+                               "step ms offload"]))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -387,3 +387,32 @@ def test_grads_of_the_flat_buffer_equal_the_pytree_path(donate, simulate):
         engine.step(b[0], gb.float(), b[1], b[2])
     with pytest.raises(ValueError, match="not views of one flat buffer"):
         engine.flat_params(optree.tree_map(torch.clone, b[0]))
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("donate", [False, True])
+def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, donate):
+    p0 = mlp.init(torch.Generator().manual_seed(0), (16, 64, 4))  # 1348 elements: 14 chunks of 100, the last partial
+    grads_list = [optree.tree_map(lambda g: (g * 8).to(param_dtype), grads_like(p0, i)) for i in range(5)]
+    grads_list[2]["layers"][1]["w"][3, 1] = float("nan")  # a skipped step in the middle
+    tx = transforms.chain(
+        transforms.clip_by_global_norm(1.0),
+        transforms.adamw(lr=transforms.linear_warmup(0.0, 1e-2, 3), weight_decay=0.1,
+                         weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
+    )
+    out = {}
+    for chunk in (None, 100):
+        engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=fzero.StaticLossScale(8.0), donate=donate,
+                             chunk_numel=chunk)
+        params, state, ss = engine.init(p0)
+        state0, master0 = state, state.master.clone()
+        for grads in grads_list:
+            params, state, ss, info = engine.step(params, grads, state, ss)
+        if donate:  # updated in place, chunk by chunk
+            assert state.master.data_ptr() == state0.master.data_ptr()
+        else:  # pure: the input state is untouched
+            assert torch.equal(state0.master, master0)
+        out[chunk] = params, state
+    assert tree_equal(out[None][0], out[100][0]) and tree_equal(out[None][1], out[100][1])
+    counts = [int(x) for x in optree.tree_leaves(out[100][1].tx_state) if x.dtype == torch.int32]
+    assert counts and all(c == 4 for c in counts)  # 0-d state: advanced once per applied step, not per chunk
