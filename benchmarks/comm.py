@@ -126,9 +126,11 @@ def ddp_recipe(model, loss_fn, zero, counter):
     return step, held
 
 
-def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, **kw):
+def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, compile=True, **kw):
     params32, apply = functional(model)
     engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, loss_scale=None, **kw)
+    # the step compiled, as the README recommends on CPU (its eager update is ~40 separate passes)
+    engine_step = torch.compile(engine.step, fullgraph=True) if compile else engine.step
     carry = list(engine.init(params32))
     del params32
     module_loss = lambda p, b: loss_fn(lambda *xs: apply(p, *[x.to(dtype) if x.is_floating_point() else x for x in xs]), b)
@@ -143,7 +145,7 @@ def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, **kw):
             acc = grads if len(batches) == 1 else engine.accumulate(acc, grads)
         last["acc"] = acc if len(batches) > 1 else None
         last["grads"] = grads
-        carry[0], carry[1], carry[2], _ = engine.step(carry[0], acc, carry[1], carry[2])
+        carry[0], carry[1], carry[2], _ = engine_step(carry[0], acc, carry[1], carry[2])
 
     def held():
         return engine.state_bytes(carry[1]), storage_bytes(carry[0], last["grads"], last["acc"])
@@ -171,6 +173,7 @@ def worker(rank, world_size, rdzv, args, out_path):
     rows = []
     for name, spec in RECIPES.items():
         spec = dict(spec)
+        torch._dynamo.reset()  # each recipe compiles its own engine.step from scratch
         model, loss_fn = make_model(args.model)
         P = sum(p.numel() for p in model.parameters())
         counter = Counter()
@@ -181,7 +184,7 @@ def worker(rank, world_size, rdzv, args, out_path):
             wrap = lambda fn: (lambda x, *a, **k: (counter.add(x), fn(x, *a, **k))[1])
             fzero.comm._reduce_scatter, fzero.comm._all_gather, fzero.comm._all_reduce = (
                 wrap(orig._reduce_scatter), wrap(orig._all_gather), wrap(orig._all_reduce))
-            step, held = fzero_recipe(model, loss_fn, spec.pop("dtype"), counter, **spec)
+            step, held = fzero_recipe(model, loss_fn, spec.pop("dtype"), counter, compile=args.compile, **spec)
         batches = lambda i: [make_batch(args.model, rank, world_size * micro, args.batch, i * micro + m)[0:2]
                              for m in range(micro)] if micro > 1 else [make_batch(args.model, rank, world_size, args.batch, i)]
         if micro > 1:  # micro-batch m of rank r: rows of the same global batch
@@ -224,13 +227,16 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="global batch")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="torch.compile fzero's engine.step (forward/backward stay eager, as for DDP)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
         mp.spawn(worker, args=(args.world_size, os.path.join(tmp, "rdzv"), args, out), nprocs=args.world_size)
         rows = torch.load(out, weights_only=True)
     print(f"\n{args.model}: {rows[0]['P'] / 1e6:.1f}M params, {args.world_size} gloo ranks on CPU (1 thread each), "
-          f"global batch {args.batch}, median of {args.steps} steps\n")
+          f"global batch {args.batch}, median of {args.steps} steps; "
+          f"fzero step {'compiled' if args.compile else 'eager'}\n")
     base = rows[0]["ms"]
     print(table([[r["recipe"], f"{r['ms']:.0f}", f"{r['ms'] / base:.2f}", f"{r['opt_B_per_param']:.2f}",
                   f"{r['held_GiB']:.3f}", f"{r['calls']:.0f}", f"{r['MiB']:.1f}"] for r in rows],

@@ -3,7 +3,7 @@ still computes the grads of the buckets before it.
 
 Mechanism (chosen over inductor reordering, which on torch 2.13 CPU issues every collective
 after the last backward kernel, see ``benchmarks/overlap.py``): for one call, the params are
-fresh autograd *leaves* that are views of the flat buffer (no copy). Backward runs with
+fresh autograd *leaves* that alias the param tensors (``detach``: no copy). Backward runs with
 ``inputs=`` those leaves; autograd executes a leaf's ``AccumulateGrad`` as soon as the leaf's
 grad is complete (those nodes have top priority in its ready queue), and a post-accumulate
 hook copies the grad into its bucket's ``[N*S_b]`` buffer (in the reduce dtype: this is the
@@ -35,7 +35,7 @@ __all__ = ["grad_and_value"]
 
 def grad_and_value(
     fn: Callable,
-    flat: torch.Tensor,
+    params: Any,
     layout: Layout,
     start_bucket: Callable[[torch.Tensor, int], torch.Tensor],
     wait: Callable[[torch.Tensor, str], torch.Tensor],
@@ -45,19 +45,20 @@ def grad_and_value(
     dtype: torch.dtype,
     has_aux: bool = False,
 ) -> tuple[torch.Tensor, Any]:
-    """``(shard, value)``: ``value = fn(params, *args, **kwargs)`` with ``params`` views of
-    ``flat``; ``shard`` = the concatenated ``[S_b]`` results of ``start_bucket(grads of bucket
-    i as [N*S_b] in dtype, i)``, each started during backward (see module doc).
+    """``(shard, value)``: ``value = fn(params, *args, **kwargs)``; ``shard`` = the concatenated
+    ``[S_b]`` results of ``start_bucket(grads of bucket i as [N*S_b] in dtype, i)``, each
+    started during backward (see module doc). ``params``: a pytree laid out by ``layout``.
 
     ``fn`` returns a 0-d loss, or ``(loss, aux)`` with ``has_aux``. Eager only: under
     ``torch.compile`` compile the whole train step instead and let inductor schedule."""
     sizes = [math.prod(s) for s in layout.shapes]
-    base = flat.detach()
-    leaves = [base[o : o + n].view(s).requires_grad_() for o, n, s in zip(layout.offsets, sizes, layout.shapes)]
+    # detach() aliases the param's memory: a new autograd leaf, no copy
+    leaves = [x.detach().requires_grad_() for x in layout.treespec.flatten_up_to(params)]
+    device = leaves[0].device
     bucket_of, pos_in = {}, {}
     buffers, missing = [], []
     for k, b in enumerate(layout.buckets):
-        buf = torch.empty(layout.world_size * b.shard, dtype=dtype, device=flat.device)
+        buf = torch.empty(layout.world_size * b.shard, dtype=dtype, device=device)
         buf[b.numel :].zero_()  # padding; the leaves' part is written by the hooks
         buffers.append(buf)
         missing.append(set(b.leaves))

@@ -84,12 +84,14 @@ class Comm:
                 "re-run engine.init (or load a checkpoint) at the new world size"
             )
 
-    def _call(self, what: str, fn, *args, wait: bool = True) -> torch.Tensor:
+    def _call(self, what, fn, *args, wait: bool = True) -> torch.Tensor:
         """Run one functional collective and (unless ``wait=False``) wait for it; in eager mode
         a failure (e.g. a dead peer: gloo/NCCL raise after the process group's timeout at the
-        latest) is re-raised naming the collective and this rank."""
+        latest) is re-raised naming the collective and this rank. ``what()`` names the
+        collective; it is only called eager (traced, the layout's ints may be symbolic)."""
         if torch.compiler.is_compiling():
             return _wait(fn(*args))
+        what = what()
         try:
             out = fn(*args)
         except RuntimeError as e:
@@ -113,7 +115,7 @@ class Comm:
             return x
         if self.simulated:
             return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.world_size
-        what = f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
+        what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
         return self._call(what, _reduce_scatter, x, "sum", 0, self.group, wait=wait)
 
     def reduce_scatter_sum(self, buckets: list[torch.Tensor], layout: Layout) -> torch.Tensor:
@@ -134,7 +136,7 @@ class Comm:
             return torch.cat(parts)
         parts, pos = [], 0
         for i, b in enumerate(layout.buckets):
-            what = f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
+            what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
             parts.append(self._call(what, _all_gather, shard[pos : pos + b.shard], 0, self.group))
             pos += b.shard
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -145,7 +147,7 @@ class Comm:
             return x
         if self.simulated:
             return x * self.world_size
-        return self._call("all_reduce of the grad norm and found_inf", _all_reduce, x, "sum", self.group)
+        return self._call(lambda: "all_reduce of the grad norm and found_inf", _all_reduce, x, "sum", self.group)
 
     def time_buckets(self, layout: Layout, reduce_dtype: torch.dtype, gather_dtype: torch.dtype,
                      device: torch.device) -> dict[str, list[float]]:
@@ -169,7 +171,7 @@ class Comm:
             x = torch.zeros(self.world_size * b.shard, dtype=reduce_dtype, device=device)
             rs.append(timed(lambda: self.reduce_scatter_bucket(x, i, layout)))
             y = torch.zeros(b.shard, dtype=gather_dtype, device=device)
-            ag.append(timed(lambda: self._call(f"all_gather (timing bucket {i})", _all_gather, y, 0, self.group)))
+            ag.append(timed(lambda: self._call(lambda: f"all_gather (timing bucket {i})", _all_gather, y, 0, self.group)))
         t = torch.tensor([rs, ag], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return {"reduce_scatter_ms": t[0].tolist(), "all_gather_ms": t[1].tolist()}

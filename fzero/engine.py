@@ -307,14 +307,18 @@ class Engine:
         With ``donate=True`` the buffer stays the same across steps."""
         layout, _ = self._ready()
         leaves = checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
-        base = leaves[0]._base if leaves[0]._base is not None else leaves[0]
-        if base.shape != (layout.padded_numel,) or any(
-            x.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
-            or x.storage_offset() != base.storage_offset() + o
+        storage = leaves[0].untyped_storage()
+        start = leaves[0].storage_offset() - layout.offsets[0]
+        if start < 0 or storage.nbytes() < (start + layout.padded_numel) * leaves[0].element_size() or any(
+            x.untyped_storage().data_ptr() != storage.data_ptr() or x.storage_offset() != start + o
             for x, o in zip(leaves, layout.offsets)
         ):
             raise ValueError("params are not views of one flat buffer of this engine's layout (pass what init/step returned)")
-        return base
+        base = leaves[0]._base
+        if base is not None and base.shape == (layout.padded_numel,) and base.storage_offset() == start:
+            return base
+        # e.g. a compiled step's output: the leaves share the buffer but carry no view link
+        return leaves[0].new_empty(0).set_(storage, start, (layout.padded_numel,))
 
     def _reduce(self, grads: Any) -> tuple[torch.Tensor, float, Any]:
         """``(shard, pre, micro)``: this rank's ``[S]`` sum over ranks, its pre-division, and
@@ -368,13 +372,17 @@ class Engine:
 
         def grad_fn(params, *args, **kwargs):
             layout, comm = self._ready()
-            flat = params if self._is_flat(params) else self.flat_params(params)
+            if self._is_flat(params):
+                checks.check_flat(params, layout, what="params", device=self.device, dtype=self.param_dtype)
+                params = unflatten(params, layout)
+            else:
+                checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
             dtype, pre = self._reduce_dtype(), self._pre()
 
             def start_bucket(buf: torch.Tensor, i: int) -> torch.Tensor:  # buf: [N*S_b] grads in dtype, ours
                 return comm.reduce_scatter_bucket(buf if pre == 1.0 else buf.div_(pre), i, layout, wait=not overlap)
 
-            shard, value = backward.grad_and_value(fn, flat, layout, start_bucket, comm.wait, args, kwargs,
+            shard, value = backward.grad_and_value(fn, params, layout, start_bucket, comm.wait, args, kwargs,
                                                    dtype=dtype, has_aux=has_aux)
             return Accumulated(shard, torch.ones((), dtype=torch.int32, device=self.device)), value
 

@@ -71,6 +71,14 @@ def compiled_vs_eager(rank, world_size):
     compiled = fzero.zero1(tx(), param_dtype=torch.float16, loss_scale=fzero.StaticLossScale(64.0), donate=True)
     e = run(eager.step, eager, p0, seq)
     c = run(torch.compile(compiled.step, fullgraph=True), compiled, p0, seq)
+    # A second engine with another layout in the same process: dynamo recompiles the same code
+    # and may trace the layout's ints as symbols (automatic dynamic); the step must still trace.
+    p1 = {"a": torch.randn(300), "b": torch.randn(7, 9)}
+    other = fzero.zero1(tx(), param_dtype=torch.float16, loss_scale=None, bucket_bytes=256)
+    seq1 = [optree.tree_map(lambda x: x.half(), grads_like(p1, i)) for i in range(2)]
+    o = run(torch.compile(other.step, fullgraph=True), other, p1, seq1)
+    o_eager = run(other.step, other, p1, seq1)
+    torch.testing.assert_close(o[1].master, o_eager[1].master, rtol=1e-6, atol=1e-7)
     return {"eager": optree.tree_leaves(e[1]), "compiled": optree.tree_leaves(c[1]),
             "params": fzero.flatten(c[0], compiled.layout)}
 
@@ -122,3 +130,22 @@ def test_step_and_accumulate_make_no_host_sync(donate):
         params, state, ss, info = engine.step(params, acc, state, ss)
     assert ss.scale.item() == 2.0**7  # the step with the inf backed off, without a sync
     assert not info["found_inf"] and state.tx_state[1][0].count.item() == 3
+
+
+def test_params_from_a_compiled_pure_step_are_still_one_flat_buffer():
+    """Inductor returns the new leaves as aliases of one buffer without autograd's view link
+    (``_base`` is None): flat_params and grad_and_value must take them all the same."""
+    p0 = odd_params()
+    engine = fzero.zero1(tx(), param_dtype=torch.float16, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    grads = optree.tree_map(lambda x: x.half(), grads_like(p0, 0))
+    params, state, ss, _ = torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
+    flat = engine.flat_params(params)
+    assert flat.shape == (engine.layout.padded_numel,) and torch.equal(flat, fzero.flatten(params, engine.layout))
+    flat[:1] = 7.0  # it is the params' memory, not a copy
+    assert float(optree.tree_leaves(params)[0].reshape(-1)[0]) == 7.0
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(fzero.unflatten(flat, engine.layout)),
+                                                   optree.tree_leaves(params)))
+    loss = lambda p: sum((x.float() ** 2).sum() for x in optree.tree_leaves(p))
+    shard, value = engine.grad_and_value(loss)(params)
+    torch.testing.assert_close(shard.grads, fzero.flatten(torch.func.grad(loss)(params), engine.layout))
