@@ -113,7 +113,7 @@ def ddp_recipe(model, loss_fn, zero, counter):
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
-    def step(batches):
+    def step(batches, eager=True):
         for b in batches:
             loss_fn(ddp, b).backward()
         opt.step()
@@ -138,14 +138,14 @@ def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, compile=True, **
     grad_fn = engine.grad_and_value(module_loss) if overlap else torch.func.grad_and_value(module_loss)
     last = {}
 
-    def step(batches):
+    def step(batches, eager=False):  # eager: for counting collectives (a traced counter would be a constant)
         acc = None
         for b in batches:
             grads, _ = grad_fn(carry[0], b)
             acc = grads if len(batches) == 1 else engine.accumulate(acc, grads)
         last["acc"] = acc if len(batches) > 1 else None
         last["grads"] = grads
-        carry[0], carry[1], carry[2], _ = engine_step(carry[0], acc, carry[1], carry[2])
+        carry[0], carry[1], carry[2], _ = (engine.step if eager else engine_step)(carry[0], acc, carry[1], carry[2])
 
     def held():
         return engine.state_bytes(carry[1]), storage_bytes(carry[0], last["grads"], last["acc"])
@@ -178,32 +178,35 @@ def worker(rank, world_size, rdzv, args, out_path):
         P = sum(p.numel() for p in model.parameters())
         counter = Counter()
         micro = spec.pop("micro", 1)
-        if spec.pop("kind") == "ddp":
-            step, held = ddp_recipe(model, loss_fn, spec["zero"], counter)
-        else:
-            wrap = lambda fn: (lambda x, *a, **k: (counter.add(x), fn(x, *a, **k))[1])
-            fzero.comm._reduce_scatter, fzero.comm._all_gather, fzero.comm._all_reduce = (
-                wrap(orig._reduce_scatter), wrap(orig._all_gather), wrap(orig._all_reduce))
+        is_fzero = spec.pop("kind") == "fzero"
+        if is_fzero:
             step, held = fzero_recipe(model, loss_fn, spec.pop("dtype"), counter, compile=args.compile, **spec)
+        else:
+            step, held = ddp_recipe(model, loss_fn, spec["zero"], counter)
         batches = lambda i: [make_batch(args.model, rank, world_size * micro, args.batch, i * micro + m)[0:2]
                              for m in range(micro)] if micro > 1 else [make_batch(args.model, rank, world_size, args.batch, i)]
         if micro > 1:  # micro-batch m of rank r: rows of the same global batch
             batches = lambda i: [make_batch(args.model, rank * micro + m, world_size * micro, args.batch, i) for m in range(micro)]
         times = []
         for i in range(args.warmup + args.steps):
-            if i == args.warmup:
-                counter.calls = counter.bytes = 0
             dist.barrier()
             t0 = time.perf_counter()
             step(batches(i))
             times.append(time.perf_counter() - t0)
+        # one more step, eager, counting every collective and its bytes
+        counter.calls = counter.bytes = 0
+        if is_fzero:
+            wrap = lambda fn: (lambda x, *a, **k: (counter.add(x), fn(x, *a, **k))[1])
+            fzero.comm._reduce_scatter, fzero.comm._all_gather, fzero.comm._all_reduce = (
+                wrap(orig._reduce_scatter), wrap(orig._all_gather), wrap(orig._all_reduce))
+        step(batches(0), eager=True)
         opt_bytes, other = held()
         dist.barrier()
         maxes = [None] * world_size
         dist.all_gather_object(maxes, opt_bytes)
         rows.append({"recipe": name, "P": P, "ms": statistics.median(times[args.warmup:]) * 1e3,
                      "opt_B_per_param": max(maxes) / P, "held_GiB": (opt_bytes + other) / 2**30,
-                     "calls": counter.calls / args.steps, "MiB": counter.bytes / args.steps / 2**20})
+                     "calls": counter.calls, "MiB": counter.bytes / 2**20})
         fzero.comm._reduce_scatter, fzero.comm._all_gather, fzero.comm._all_reduce = (
             orig._reduce_scatter, orig._all_gather, orig._all_reduce)
         dist.broadcast = orig.broadcast

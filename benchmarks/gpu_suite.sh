@@ -22,6 +22,7 @@ run() { echo "== $*"; timeout "${LIMIT:-200}" "$PY" "$@" 2>&1 | tee -a "$OUT/sui
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee -a "$OUT/suite.log"
 run benchmarks/sync_check.py
 run benchmarks/step.py $STEP --json "$OUT/step.json"
+run benchmarks/plot.py "$OUT/step.json" -o "$OUT/step.png"
 run benchmarks/memory.py $MEM --json "$OUT/memory.json"
 LIMIT=240 run benchmarks/gpt_throughput.py $GPT
 echo "results in $OUT"
