@@ -237,8 +237,8 @@ class Engine:
         The transforms are elementwise on the shard (a rank holds arbitrary slices of params,
         so they must be; the one global quantity, the grad norm, comes in as ``norm``), so the
         shard may be cut into chunks. Eager, each op of the update allocates a temporary: at
-        shard size those are fresh pages from the OS every op (on CPU the step was ~5x slower
-        for it); at ``chunk_numel`` they stay in cache and the allocator reuses them. The
+        shard size those are fresh pages from the OS every op (924 vs 390 ms for 2e7 elements
+        on a 2-core CPU); at ``chunk_numel`` they stay in cache and the allocator reuses them. The
         chunks write into full-size outputs -- the inputs' own buffers with ``donate`` -- and
         0-d state (the step count) is the same from every chunk. Compiled, inductor fuses the
         update into one loop, so it runs on the whole shard."""
