@@ -252,6 +252,9 @@ def main(argv=None):
         plot_path = plot(records, os.path.join(out, "loss.png"), title=f"{name}, {args.dtype}, {world} rank(s)")
         print_summary(summary, log.name, plot_path, args.profile)
     if dist.is_initialized():
+        # Leave together: a rank that tears gloo down while rank 0 is still writing the summary
+        # occasionally aborted at interpreter exit ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
 
 
