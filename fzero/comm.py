@@ -124,20 +124,23 @@ class Comm:
         parts = [self.reduce_scatter_bucket(x, i, layout) for i, x in enumerate(buckets)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        """This rank's ``[S_b]`` slice of bucket ``i`` -> the bucket's ``[N*S_b]`` buffer."""
+        if self.world_size == 1:
+            return x
+        if self.simulated:
+            return x.repeat(self.world_size)
+        b = layout.buckets[i]
+        what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
+        return self._call(what, _all_gather, x, 0, self.group)
+
     def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
         """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""
         if self.world_size == 1:
             return shard
-        if self.simulated:
-            parts, pos = [], 0
-            for b in layout.buckets:
-                parts.append(shard[pos : pos + b.shard].repeat(self.world_size))
-                pos += b.shard
-            return torch.cat(parts)
         parts, pos = [], 0
         for i, b in enumerate(layout.buckets):
-            what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
-            parts.append(self._call(what, _all_gather, shard[pos : pos + b.shard], 0, self.group))
+            parts.append(self.all_gather_bucket(shard[pos : pos + b.shard], i, layout))
             pos += b.shard
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -171,7 +174,7 @@ class Comm:
             x = torch.zeros(self.world_size * b.shard, dtype=reduce_dtype, device=device)
             rs.append(timed(lambda: self.reduce_scatter_bucket(x, i, layout)))
             y = torch.zeros(b.shard, dtype=gather_dtype, device=device)
-            ag.append(timed(lambda: self._call(lambda: f"all_gather (timing bucket {i})", _all_gather, y, 0, self.group)))
+            ag.append(timed(lambda: self.all_gather_bucket(y, i, layout)))
         t = torch.tensor([rs, ag], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return {"reduce_scatter_ms": t[0].tolist(), "all_gather_ms": t[1].tolist()}

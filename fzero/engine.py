@@ -180,11 +180,7 @@ class Engine:
         ``fzero.nonfinite_leaves(grads)`` then names the culprits, off the hot path).
         """
         layout, comm = self._ready()
-        flat_in = self._is_flat(params)  # the flat buffer itself (flat_params) or the pytree
-        if flat_in:
-            checks.check_flat(params, layout, what="params", device=self.device, dtype=self.param_dtype)
-        else:
-            checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
+        flat_in = self._check(params, "params")  # the flat buffer itself (flat_params) or the pytree
         scale = scaler_state.scale
 
         # 1. Sum over ranks, this rank's [S] shard only (see _reduce for the precision).
@@ -264,10 +260,8 @@ class Engine:
     def _grad_buckets(self, grads: Any, dtype: torch.dtype) -> list[torch.Tensor]:
         """This rank's grads -- a pytree like params, or the flat buffer's grad -- checked and
         laid out as one ``[N*S_b]`` buffer per bucket in ``dtype``."""
-        if self._is_flat(grads):  # d(loss)/d(flat buffer): already laid out, nothing to gather
-            checks.check_flat(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
+        if self._check(grads, "grads"):  # d(loss)/d(flat buffer): already laid out, nothing to gather
             return [x.to(dtype) for x in split_buckets(grads, self.layout)]
-        checks.check_like_layout(grads, self.layout, what="grads", device=self.device, dtype=self.param_dtype)
         return flatten_buckets(grads, self.layout, dtype=dtype)
 
     def _pre(self) -> float:
@@ -292,6 +286,14 @@ class Engine:
     def _is_flat(self, grads: Any) -> bool:
         """Params or grads given as the flat ``[N*S]`` buffer (see ``flat_params``)."""
         return isinstance(grads, torch.Tensor) and grads.shape == (self.layout.padded_numel,)
+
+    def _check(self, x: Any, what: str) -> bool:
+        """Validate params or grads (``what``), given as the flat buffer or as a pytree like the
+        params, against the layout, device and param dtype; return whether ``x`` is flat."""
+        flat = self._is_flat(x)
+        check = checks.check_flat if flat else checks.check_like_layout
+        check(x, self.layout, what=what, device=self.device, dtype=self.param_dtype)
+        return flat
 
     def flat_params(self, params: Any) -> torch.Tensor:
         """The ``[N*S]`` flat buffer that ``params``' leaves are views of.
@@ -372,11 +374,8 @@ class Engine:
 
         def grad_fn(params, *args, **kwargs):
             layout, comm = self._ready()
-            if self._is_flat(params):
-                checks.check_flat(params, layout, what="params", device=self.device, dtype=self.param_dtype)
+            if self._check(params, "params"):
                 params = unflatten(params, layout)
-            else:
-                checks.check_like_layout(params, layout, what="params", device=self.device, dtype=self.param_dtype)
             dtype, pre = self._reduce_dtype(), self._pre()
 
             def start_bucket(buf: torch.Tensor, i: int) -> torch.Tensor:  # buf: [N*S_b] grads in dtype, ours
