@@ -15,7 +15,13 @@ Dynamic rule (Megatron's DynamicGradScaler with torch's GradScaler defaults and 
   spent every further overflow backs off until the next growth refills it.
 * clean step: ``good_steps += 1``; once ``good_steps == growth_interval``:
   ``scale = min(scale * growth_factor, max_scale)``, ``good_steps = 0``,
-  ``hysteresis = hysteresis`` (refilled).
+  ``hysteresis = hysteresis`` (refilled). If ``scale * growth_factor`` is not finite in FP32
+  (the state's dtype), the scale is kept as it is (as jmp and torch's GradScaler do).
+
+Every scale (``init_scale``, ``min_scale``, ``max_scale``, a static ``scale``) must be finite
+and > 0 in FP32, ``growth_factor`` finite and >= 1, ``backoff_factor`` in (0, 1], and
+``growth_interval``, ``hysteresis``, ``stuck_after`` integers >= 1; otherwise the policy raises
+``ValueError`` naming the field.
 
 Stuck scale: ``stuck_steps`` counts consecutive overflowing steps taken *at* ``min_scale`` (for a
 static scale: at that scale). ``policy.stuck(state)`` is true once it reaches ``stuck_after``:
@@ -25,6 +31,8 @@ backing off cannot help any more, the grads are non-finite by themselves (DeepSp
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from typing import NamedTuple
 
 import torch
@@ -55,6 +63,30 @@ def _state(scale: float, hysteresis: int, device) -> LossScaleState:
     return LossScaleState(torch.tensor(float(scale), dtype=torch.float32, device=device), int0(0), int0(hysteresis), int0(0))
 
 
+def _real(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return math.nan  # fails every range check below
+
+
+def _check_scale(policy: str, name: str, value) -> None:
+    """A scale lives in an FP32 tensor: it must be finite and > 0 once rounded to FP32."""
+    v = _real(value)
+    as_fp32 = torch.tensor(v, dtype=torch.float32).item() if math.isfinite(v) else v  # construction only
+    if not 0 < as_fp32 < math.inf:  # False for nan too
+        raise ValueError(f"{policy}: {name} must be finite and > 0 in FP32 (the scale's dtype), got {value!r}")
+
+
+def _check_count(policy: str, name: str, value) -> None:
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise ValueError(f"{policy}: {name} must be an integer >= 1, got {value!r}")
+
+
 def _stuck_steps(state: LossScaleState, found_inf: torch.Tensor, min_scale: float) -> torch.Tensor:
     at_min = found_inf & (state.scale <= min_scale)
     return torch.where(at_min, state.stuck_steps + 1, torch.zeros_like(state.stuck_steps))
@@ -74,12 +106,21 @@ class DynamicLossScale:
     stuck_after: int = 10
 
     def __post_init__(self):
-        if not (self.growth_factor >= 1.0 and 0.0 < self.backoff_factor <= 1.0):
-            raise ValueError(f"need growth_factor >= 1 and 0 < backoff_factor <= 1, got {self}")
-        if not (0 < self.min_scale <= self.init_scale <= self.max_scale):
-            raise ValueError(f"need 0 < min_scale <= init_scale <= max_scale, got {self}")
-        if self.growth_interval < 1 or self.hysteresis < 1 or self.stuck_after < 1:
-            raise ValueError(f"growth_interval, hysteresis and stuck_after must be >= 1, got {self}")
+        name = type(self).__name__
+        for field in ("min_scale", "max_scale", "init_scale"):
+            _check_scale(name, field, getattr(self, field))
+        if not self.min_scale <= self.max_scale:
+            raise ValueError(f"{name}: min_scale must be <= max_scale, got min_scale={self.min_scale!r} > max_scale={self.max_scale!r}")
+        if not self.min_scale <= self.init_scale <= self.max_scale:
+            raise ValueError(
+                f"{name}: init_scale must be in [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}], got {self.init_scale!r}"
+            )
+        if not 1.0 <= _real(self.growth_factor) < math.inf:
+            raise ValueError(f"{name}: growth_factor must be finite and >= 1, got {self.growth_factor!r}")
+        if not 0.0 < _real(self.backoff_factor) <= 1.0:
+            raise ValueError(f"{name}: backoff_factor must be in (0, 1], got {self.backoff_factor!r}")
+        for field in ("growth_interval", "hysteresis", "stuck_after"):
+            _check_count(name, field, getattr(self, field))
 
     def init(self, device=None) -> LossScaleState:
         return _state(self.init_scale, self.hysteresis, device)
@@ -94,10 +135,13 @@ class DynamicLossScale:
         backoff = found_inf & (hyst_after_inf <= 0)
         good_next = torch.where(found_inf, torch.zeros_like(good), good + 1)
         grow = good_next >= self.growth_interval
+        grown = scale * self.growth_factor
+        # An FP32 overflow (inf) keeps the old scale: max_scale may be close to FP32's max.
+        grown = torch.where(torch.isfinite(grown), grown, scale).clamp(max=self.max_scale)
         new_scale = torch.where(
             backoff,
             (scale * self.backoff_factor).clamp(min=self.min_scale),
-            torch.where(grow, (scale * self.growth_factor).clamp(max=self.max_scale), scale),
+            torch.where(grow, grown, scale),
         )
         new_good = torch.where(grow, torch.zeros_like(good), good_next)
         new_hyst = torch.where(
@@ -114,8 +158,9 @@ class StaticLossScale:
     stuck_after: int = 10
 
     def __post_init__(self):
-        if not self.scale > 0:
-            raise ValueError(f"StaticLossScale needs scale > 0, got {self.scale}")
+        name = type(self).__name__
+        _check_scale(name, "scale", self.scale)
+        _check_count(name, "stuck_after", self.stuck_after)
 
     def init(self, device=None) -> LossScaleState:
         return _state(self.scale, 1, device)

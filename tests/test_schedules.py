@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -46,3 +47,64 @@ def test_adamw_follows_schedule_by_applied_count():
         u, state = tx.update(g, state)
         seen.append(-float(u[0]))
     assert seen == pytest.approx([0, 0.25, 0.5, 0.75, 1, 1])
+
+
+@pytest.mark.parametrize(
+    "schedule, held",
+    [
+        (lambda: transforms.linear(1.0, 0.0, 0), 1.0),
+        (lambda: transforms.linear(0.25, 3.0, 0), 0.25),
+        (lambda: transforms.linear_warmup(0.5, 1.0, 0), 0.5),
+        (lambda: transforms.linear_warmup(0.0, 1.0, 0), 0.0),  # optax: held at init_value forever
+    ],
+)
+def test_zero_transition_steps_hold_init_value(schedule, held):
+    s = schedule()
+    assert values(s, 5) == [held] * 5
+    assert float(s(10**6)) == held
+    assert s(torch.tensor(3, dtype=torch.int32)).dtype == torch.float64
+
+
+def test_warmup_cosine_decay_without_warmup_starts_at_peak():
+    s = transforms.warmup_cosine_decay(0.0, 1.0, warmup_steps=0, decay_steps=10, end_value=0.1)
+    ref = transforms.cosine_decay(1.0, 10, end_value=0.1)
+    assert values(s, 14) == pytest.approx(values(ref, 14), rel=1e-12)
+    assert values(s, 1) == [1.0]
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: transforms.linear(0.0, 1.0, -1), "linear: transition_steps must be an integer >= 0, got -1"),
+        (lambda: transforms.linear(0.0, 1.0, 2.5), "linear: transition_steps must be an integer >= 0, got 2.5"),
+        (lambda: transforms.linear(0.0, 1.0, True), "linear: transition_steps must be an integer >= 0, got True"),
+        (lambda: transforms.linear(INF, 1.0, 5), "linear: init_value must be finite, got inf"),
+        (lambda: transforms.linear(0.0, NAN, 5), "linear: end_value must be finite, got nan"),
+        (lambda: transforms.linear_warmup(0.0, 1.0, -3), "linear_warmup: warmup_steps must be an integer >= 0, got -3"),
+        (lambda: transforms.linear_warmup(0.0, INF, 3), "linear_warmup: peak_value must be finite, got inf"),
+        (lambda: transforms.constant(NAN), "constant: value must be finite, got nan"),
+        (lambda: transforms.cosine_decay(1.0, 0), "cosine_decay: decay_steps must be an integer > 0, got 0"),
+        (lambda: transforms.cosine_decay(1.0, -5), "cosine_decay: decay_steps must be an integer > 0, got -5"),
+        (lambda: transforms.cosine_decay(1.0, 10.5), "cosine_decay: decay_steps must be an integer > 0, got 10.5"),
+        (lambda: transforms.cosine_decay(NAN, 10), "cosine_decay: init_value must be finite, got nan"),
+        (lambda: transforms.cosine_decay(1.0, 10, end_value=-INF), "cosine_decay: end_value must be finite, got -inf"),
+        (lambda: transforms.warmup_cosine_decay(0.0, 1.0, -1, 10), "warmup_cosine_decay: warmup_steps must be an integer >= 0, got -1"),
+        (lambda: transforms.warmup_cosine_decay(0.0, 1.0, 2.5, 10), "warmup_cosine_decay: warmup_steps must be an integer >= 0, got 2.5"),
+        (lambda: transforms.warmup_cosine_decay(0.0, 1.0, 2, 10.0), "warmup_cosine_decay: decay_steps must be an integer > 0, got 10.0"),
+        (lambda: transforms.warmup_cosine_decay(0.0, 1.0, 10, 10), "warmup_cosine_decay: decay_steps (10) must exceed warmup_steps (10)"),
+        (lambda: transforms.warmup_cosine_decay(NAN, 1.0, 2, 10), "warmup_cosine_decay: init_value must be finite, got nan"),
+        (lambda: transforms.warmup_cosine_decay(0.0, INF, 2, 10), "warmup_cosine_decay: peak_value must be finite, got inf"),
+        (lambda: transforms.warmup_cosine_decay(0.0, 1.0, 2, 10, end_value=NAN), "warmup_cosine_decay: end_value must be finite, got nan"),
+    ],
+)
+def test_invalid_schedule_arguments_raise(make, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
+
+
+def test_integer_like_step_counts_are_accepted():
+    s = transforms.warmup_cosine_decay(0.0, 1.0, torch.tensor(2), torch.tensor(6))
+    assert values(s, 3) == pytest.approx([0.0, 0.5, 1.0])

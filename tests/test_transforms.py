@@ -1,3 +1,4 @@
+import re
 import optree
 import pytest
 import torch
@@ -133,3 +134,109 @@ def test_identity_and_chain():
     g = tree(2)
     u, s = transforms.chain(transforms.identity(), transforms.identity()).update(g, transforms.identity().init(g))
     assert all(torch.equal(u[k], g[k]) for k in g)
+
+
+INF, NAN = float("inf"), float("nan")
+T = transforms
+
+
+@pytest.mark.parametrize(
+    "make, where, name, value",
+    [
+        (lambda: T.adamw(lr=-1e-3), "adamw", "lr", "-0.001"),
+        (lambda: T.adamw(lr=INF), "adamw", "lr", "inf"),
+        (lambda: T.adamw(lr=NAN), "adamw", "lr", "nan"),
+        (lambda: T.adamw(lr=torch.tensor(-0.5)), "adamw", "lr", "-0.5"),
+        (lambda: T.adamw(eps=-1e-8), "adamw", "eps", "-1e-08"),
+        (lambda: T.adamw(eps=INF), "adamw", "eps", "inf"),
+        (lambda: T.adamw(betas=(1.0, 0.999)), "adamw", "betas[0]", "1.0"),
+        (lambda: T.adamw(betas=(-0.1, 0.999)), "adamw", "betas[0]", "-0.1"),
+        (lambda: T.adamw(betas=(0.9, 1.0)), "adamw", "betas[1]", "1.0"),
+        (lambda: T.adamw(betas=(0.9, NAN)), "adamw", "betas[1]", "nan"),
+        (lambda: T.adamw(weight_decay=-0.01), "adamw", "weight_decay", "-0.01"),
+        (lambda: T.adamw(weight_decay=NAN), "adamw", "weight_decay", "nan"),
+        (lambda: T.scale_by_adam(b1=1.5), "scale_by_adam", "b1", "1.5"),
+        (lambda: T.scale_by_adam(b2=-0.5), "scale_by_adam", "b2", "-0.5"),
+        (lambda: T.scale_by_adam(eps=-1.0), "scale_by_adam", "eps", "-1.0"),
+        (lambda: T.sgd(lr=-0.1), "sgd", "lr", "-0.1"),
+        (lambda: T.sgd(lr=0.1, momentum=-0.9), "sgd", "momentum", "-0.9"),
+        (lambda: T.sgd(lr=0.1, momentum=INF), "sgd", "momentum", "inf"),
+        (lambda: T.sgd(lr=0.1, weight_decay=-1e-4), "sgd", "weight_decay", "-0.0001"),
+        (lambda: T.sgd(lr=0.1, nesterov=True), "sgd", "momentum", "0.0"),
+        (lambda: T.trace(-0.5), "trace", "momentum", "-0.5"),
+        (lambda: T.trace(NAN), "trace", "momentum", "nan"),
+        (lambda: T.add_decayed_weights(-0.1), "add_decayed_weights", "weight_decay", "-0.1"),
+        (lambda: T.add_decayed_weights(-0.1, mask=lambda p: p), "add_decayed_weights", "weight_decay", "-0.1"),
+        (lambda: T.scale_by_learning_rate(-1.0), "scale_by_learning_rate", "lr", "-1.0"),
+        (lambda: T.scale_by_learning_rate(INF), "scale_by_learning_rate", "lr", "inf"),
+        (lambda: T.clip_by_global_norm(0.0), "clip_by_global_norm", "max_norm", "0.0"),
+        (lambda: T.clip_by_global_norm(-1.0), "clip_by_global_norm", "max_norm", "-1.0"),
+        (lambda: T.clip_by_global_norm(INF), "clip_by_global_norm", "max_norm", "inf"),
+        (lambda: T.clip_by_global_norm(NAN), "clip_by_global_norm", "max_norm", "nan"),
+    ],
+)
+def test_invalid_hyperparameters_raise_at_construction(make, where, name, value):
+    # like torch.optim ("Invalid learning rate: -0.001"), naming the factory, the argument and its value
+    with pytest.raises(ValueError, match=re.escape(f"{where}: invalid {name}: {value}")):
+        make()
+
+
+@pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.999), 0.9])
+def test_adamw_betas_must_be_a_pair(betas):
+    with pytest.raises(ValueError, match=r"adamw: betas must be a pair"):
+        T.adamw(betas=betas)
+
+
+def test_boundary_hyperparameters_are_accepted():
+    params = tree()
+    for tx in (
+        T.adamw(lr=0.0, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0),
+        T.adamw(lr=torch.tensor(1e-3)),
+        T.adamw(lr=T.constant(1e-3)),
+        T.sgd(lr=0.0, momentum=0.0),
+        T.sgd(lr=0.1, momentum=0.5, nesterov=True),
+        T.clip_by_global_norm(1e-6),
+        T.scale_by_learning_rate(0.0),
+    ):
+        tx.update(tree(1), tx.init(params), params)
+
+
+def all_hyperparams_state():
+    tx = T.chain(T.clip_by_global_norm(1.0), T.trace(0.9), T.adamw(lr=1e-2))
+    return tx.init(tree())
+
+
+@pytest.mark.parametrize(
+    "name, value, shown",
+    [
+        ("lr", -1e-3, "-0.001"),
+        ("lr", INF, "inf"),
+        ("lr", NAN, "nan"),
+        ("lr", torch.tensor(-2.0), "-2.0"),
+        ("b1", 1.0, "1.0"),
+        ("b1", -0.1, "-0.1"),
+        ("b2", 1.0, "1.0"),
+        ("b2", torch.tensor(1.5, dtype=torch.float64), "1.5"),
+        ("eps", -1e-8, "-1e-08"),
+        ("weight_decay", -0.1, "-0.1"),
+        ("momentum", -0.9, "-0.9"),
+        ("max_norm", 0.0, "0.0"),
+        ("max_norm", -1.0, "-1.0"),
+        ("max_norm", INF, "inf"),
+    ],
+)
+def test_set_hyperparams_validates_known_names(name, value, shown):
+    state = all_hyperparams_state()
+    with pytest.raises(ValueError, match=re.escape(f"set_hyperparams: invalid {name}: {shown}")):
+        T.set_hyperparams(state, **{name: value})
+
+
+def test_set_hyperparams_accepts_boundaries_and_tensors():
+    state = all_hyperparams_state()
+    new = T.set_hyperparams(state, lr=0.0, b1=0.0, b2=0.0, eps=0.0, weight_decay=0.0, momentum=0.0, max_norm=1e-6)
+    hp = T.get_hyperparams(new)
+    assert hp["lr"].item() == 0.0 and hp["max_norm"].item() == 1e-6
+    new = T.set_hyperparams(state, lr=torch.tensor(3e-4), b2=torch.tensor(0.95, dtype=torch.float64))
+    hp = T.get_hyperparams(new)
+    assert hp["lr"].dtype == torch.float64 and hp["b2"].item() == 0.95
+    assert optree.tree_structure(new) == optree.tree_structure(state)

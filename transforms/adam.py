@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, chain, hyperparam, scalar
+from .base import GradientTransformation, chain, check_hyperparam, hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adamw"]
@@ -44,7 +44,11 @@ def scale_by_adam(
     (torch.optim.Adam's arrangement). Moments are stored in ``mu_dtype``/``nu_dtype``
     (default: the updates' dtype, FP32 under fzero); the elementwise arithmetic is FP32, the
     0-d bias corrections float64 then FP32.
+
+    ``b1``, ``b2`` must be in [0, 1) and ``eps`` finite and >= 0, else ``ValueError``.
     """
+    for name, value in (("b1", b1), ("b2", b2), ("eps", eps)):
+        check_hyperparam("scale_by_adam", name, value)
 
     def init(params, **extra):
         def zeros(dtype):
@@ -97,9 +101,22 @@ def adamw(
     which equals torch's ``p *= 1 - lr*wd; p -= lr * u_adam``. ``lr`` is a float or a
     schedule ``count -> lr``. ``weight_decay_mask``: pytree of bools (or a callable on the
     params pytree) selecting the leaves that decay, e.g. no decay on biases and norm gains.
+
+    Invalid values raise ``ValueError`` here, as in torch.optim.AdamW: a float ``lr`` must be
+    finite and >= 0, ``betas`` a pair in [0, 1), ``eps`` and ``weight_decay`` finite and >= 0.
     """
+    if not callable(lr):
+        check_hyperparam("adamw", "lr", lr)
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"adamw: betas must be a pair (b1, b2), got {betas!r}") from None
+    check_hyperparam("adamw", "betas[0]", b1, rule="b1")
+    check_hyperparam("adamw", "betas[1]", b2, rule="b2")
+    check_hyperparam("adamw", "eps", eps)
+    check_hyperparam("adamw", "weight_decay", weight_decay)
     return chain(
-        scale_by_adam(*betas, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
         add_decayed_weights(weight_decay, mask=weight_decay_mask),
         scale_by_learning_rate(lr),
     )

@@ -11,6 +11,7 @@ gradients over all ranks, computed by the engine). Transforms ignore keys they d
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -25,6 +26,7 @@ __all__ = [
     "set_hyperparams",
     "get_hyperparams",
     "hyperparam",
+    "check_hyperparam",
     "apply_updates",
     "scalar",
 ]
@@ -126,6 +128,40 @@ def hyperparam(value: float, params) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64, device=first_device(params))
 
 
+def _finite_at_least_0(v: float) -> bool:
+    return math.isfinite(v) and v >= 0
+
+
+# The valid range of each hyperparameter the built-in transforms keep in their states (the same
+# ranges torch.optim checks, and finite): factories check their arguments against it, and
+# ``set_hyperparams`` checks new values of these names.
+HYPERPARAM_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lr": (_finite_at_least_0, "a finite number >= 0"),
+    "b1": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "b2": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "eps": (_finite_at_least_0, "a finite number >= 0"),
+    "weight_decay": (_finite_at_least_0, "a finite number >= 0"),
+    "momentum": (_finite_at_least_0, "a finite number >= 0"),
+    "max_norm": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+}
+
+
+def check_hyperparam(where: str, name: str, value, *, rule: str | None = None, shown: str | None = None) -> float:
+    """``value`` as a float, or ``ValueError`` naming ``where`` (the function checking), the
+    argument ``shown`` (default ``name``) and the value, if it is outside the range of
+    ``HYPERPARAM_RULES[rule or name]``. ``value``: a Python number or a 1-element tensor (read on
+    the host: call this at construction, never inside an ``update``)."""
+    shown = shown or name
+    try:
+        v = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{where}: invalid {shown}: {value!r} (must be a real number or a 1-element tensor)") from None
+    ok, need = HYPERPARAM_RULES[rule or name]
+    if not ok(v):
+        raise ValueError(f"{where}: invalid {shown}: {v!r} (must be {need})")
+    return v
+
+
 def apply_updates(params, updates):
     """``params + updates``, leaf by leaf, in each param's dtype."""
     return optree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
@@ -156,11 +192,18 @@ def set_hyperparams(state, **values):
     """A copy of ``state`` with the named hyperparameters replaced (e.g. ``lr=3e-4``).
 
     Values become 0-d tensors (dtype of the old value) on the old value's device; the state's structure is
-    unchanged, so a compiled step keeps its graph. Unknown names raise ``KeyError``.
+    unchanged, so a compiled step keeps its graph. Unknown names raise ``KeyError``. New values of
+    the built-in names are checked like the factories' arguments (``lr``, ``eps``,
+    ``weight_decay``, ``momentum`` finite and >= 0; ``b1``, ``b2`` in [0, 1); ``max_norm`` finite
+    and > 0), Python numbers and tensors alike (a tensor is read on the host: call this between
+    steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
     """
     unknown = set(values) - set(get_hyperparams(state))
     if unknown:
         raise KeyError(f"no hyperparameter(s) {sorted(unknown)} in state; have {sorted(get_hyperparams(state))}")
+    for name, value in values.items():
+        if name in HYPERPARAM_RULES:
+            check_hyperparam("set_hyperparams", name, value)
 
     def rebuild(node):
         if isinstance(node, tuple) and hasattr(node, "_fields"):

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, hyperparam, scalar
+from .base import GradientTransformation, check_hyperparam, hyperparam, scalar
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
@@ -27,8 +27,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     ``norm`` is the ``grad_norm`` the caller passes (fzero's engine passes the norm over all
     ranks' shards of the averaged, unscaled grads); without one it is the norm of ``updates``.
-    The norm is of the *incoming gradients*, so put this first in a ``chain``.
+    The norm is of the *incoming gradients*, so put this first in a ``chain``. ``max_norm`` must
+    be finite and > 0, else ``ValueError``.
     """
+    check_hyperparam("clip_by_global_norm", "max_norm", max_norm)
 
     def init(params, **extra):
         return ClipByGlobalNormState(hyperparam(max_norm, params))

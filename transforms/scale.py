@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, hyperparam, masked, scalar
+from .base import GradientTransformation, check_hyperparam, hyperparam, masked, scalar
 
 __all__ = ["ScaleByLearningRateState", "AddDecayedWeightsState", "scale_by_learning_rate", "add_decayed_weights"]
 
@@ -33,7 +33,8 @@ class AddDecayedWeightsState(NamedTuple):
 
 def scale_by_learning_rate(lr) -> GradientTransformation:
     """``u -> -lr * u``. ``lr``: a float (kept as a tensor in the state) or a schedule
-    ``count -> lr`` (called with the 0-d int32 count of applied updates, before this one)."""
+    ``count -> lr`` (called with the 0-d int32 count of applied updates, before this one). A float
+    ``lr`` must be finite and >= 0, else ``ValueError``; a schedule's values are not checked."""
     if callable(lr):
         schedule = lr
 
@@ -45,6 +46,8 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
             return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), ScaleByScheduleState(state.count + 1)
 
         return GradientTransformation(init, update)
+
+    check_hyperparam("scale_by_learning_rate", "lr", lr)
 
     def init(params, **extra):
         return ScaleByLearningRateState(hyperparam(lr, params))
@@ -59,7 +62,9 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
 def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
     """``u -> u + weight_decay * p`` (decoupled decay when followed by ``scale_by_learning_rate``).
 
-    ``mask``: decay only where True (see ``masked``)."""
+    ``mask``: decay only where True (see ``masked``). ``weight_decay`` must be finite and >= 0,
+    else ``ValueError``."""
+    check_hyperparam("add_decayed_weights", "weight_decay", weight_decay)
     if mask is not None:
         return masked(add_decayed_weights(weight_decay), mask)
 

@@ -1,13 +1,19 @@
-"""Learning-rate schedules: plain ``count -> value`` functions (optax semantics).
+"""Learning-rate schedules: plain ``count -> value`` functions (optax semantics, stricter arguments).
 
 ``count`` is the number of *applied* updates so far (a 0-d int tensor inside a step; a Python
 int works too, e.g. for plotting). Values are computed with tensor ops only (no Python
 branch on ``count``), as 0-d float64 tensors, so a compiled step never retraces as ``count``
 grows.
+
+Arguments are checked when the schedule is built: values must be finite, step counts must be
+integers (a Python int or anything with ``__index__``, not a bool) and not negative, else
+``ValueError`` naming the argument. A zero-length transition holds ``init_value`` forever, as in
+optax; unlike optax, a negative step count is an error rather than a zero-length transition.
 """
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -18,47 +24,93 @@ def _t(count) -> torch.Tensor:
     return torch.as_tensor(count).to(torch.float64)
 
 
+def _value(where: str, name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{where}: {name} must be a real number, got {value!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{where}: {name} must be finite, got {value!r}")
+    return v
+
+
+def _steps(where: str, name: str, value, *, minimum: int) -> int:
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        raise ValueError(f"{where}: {name} must be an integer {'>= 0' if minimum == 0 else f'> {minimum - 1}'}, got {value!r}")
+    return n
+
+
 def constant(value: float):
     """``value`` at every step."""
-    return lambda count: torch.full_like(_t(count), float(value))
+    value = _value("constant", "value", value)
+    return lambda count: torch.full_like(_t(count), value)
 
 
-def linear(init_value: float, end_value: float, transition_steps: int):
-    """``init + (end - init) * min(count, T) / T``; ``end_value`` from step ``T`` on."""
-    if transition_steps <= 0:
-        return constant(end_value)
+def _linear(init_value: float, end_value: float, steps: int):
+    if steps == 0:  # optax: a zero-length transition holds init_value
+        return lambda count: torch.full_like(_t(count), init_value)
 
     def schedule(count):
-        frac = _t(count).clamp(0, transition_steps) / transition_steps
+        frac = _t(count).clamp(0, steps) / steps
         return init_value + (end_value - init_value) * frac
 
     return schedule
 
 
+def linear(init_value: float, end_value: float, transition_steps: int):
+    """``init + (end - init) * min(count, T) / T``; ``end_value`` from step ``T`` on.
+    ``transition_steps == 0``: ``init_value`` at every step (optax's rule)."""
+    return _linear(
+        _value("linear", "init_value", init_value),
+        _value("linear", "end_value", end_value),
+        _steps("linear", "transition_steps", transition_steps, minimum=0),
+    )
+
+
 def linear_warmup(init_value: float, peak_value: float, warmup_steps: int):
-    """Linear from ``init_value`` to ``peak_value`` over ``warmup_steps``, then ``peak_value``."""
-    return linear(init_value, peak_value, warmup_steps)
+    """Linear from ``init_value`` to ``peak_value`` over ``warmup_steps``, then ``peak_value``.
+    ``warmup_steps == 0``: ``init_value`` at every step (optax's ``linear_schedule``)."""
+    return _linear(
+        _value("linear_warmup", "init_value", init_value),
+        _value("linear_warmup", "peak_value", peak_value),
+        _steps("linear_warmup", "warmup_steps", warmup_steps, minimum=0),
+    )
 
 
-def cosine_decay(init_value: float, decay_steps: int, end_value: float = 0.0):
-    """``end + (init - end) * (1 + cos(pi * min(count, D) / D)) / 2``; ``end_value`` after ``D``."""
-    if decay_steps <= 0:
-        raise ValueError(f"cosine_decay needs decay_steps > 0, got {decay_steps}")
-
+def _cosine(init_value: float, steps: int, end_value: float):
     def schedule(count):
-        frac = _t(count).clamp(0, decay_steps) / decay_steps
+        frac = _t(count).clamp(0, steps) / steps
         return end_value + (init_value - end_value) * 0.5 * (1 + torch.cos(math.pi * frac))
 
     return schedule
 
 
+def cosine_decay(init_value: float, decay_steps: int, end_value: float = 0.0):
+    """``end + (init - end) * (1 + cos(pi * min(count, D) / D)) / 2``; ``end_value`` after ``D``."""
+    return _cosine(
+        _value("cosine_decay", "init_value", init_value),
+        _steps("cosine_decay", "decay_steps", decay_steps, minimum=1),
+        _value("cosine_decay", "end_value", end_value),
+    )
+
+
 def warmup_cosine_decay(init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0):
     """Linear warmup ``init -> peak`` over ``warmup_steps``, then cosine ``peak -> end`` until
-    step ``decay_steps`` (which *includes* the warmup, as in optax), then ``end_value``."""
+    step ``decay_steps`` (which *includes* the warmup, as in optax), then ``end_value``.
+    ``warmup_steps == 0``: the cosine starts at ``peak_value`` on step 0 (``init_value`` unused)."""
+    where = "warmup_cosine_decay"
+    init_value, peak_value = _value(where, "init_value", init_value), _value(where, "peak_value", peak_value)
+    end_value = _value(where, "end_value", end_value)
+    warmup_steps = _steps(where, "warmup_steps", warmup_steps, minimum=0)
+    decay_steps = _steps(where, "decay_steps", decay_steps, minimum=1)
     if decay_steps <= warmup_steps:
-        raise ValueError(f"decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
-    warm = linear(init_value, peak_value, warmup_steps)
-    decay = cosine_decay(peak_value, decay_steps - warmup_steps, end_value)
+        raise ValueError(f"{where}: decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
+    warm = _linear(init_value, peak_value, warmup_steps)
+    decay = _cosine(peak_value, decay_steps - warmup_steps, end_value)
 
     def schedule(count):
         t = _t(count)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, chain, hyperparam, scalar
+from .base import GradientTransformation, chain, check_hyperparam, hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["TraceState", "trace", "sgd"]
@@ -24,7 +24,8 @@ class TraceState(NamedTuple):
 def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
     r"""Heavy-ball momentum: :math:`b \leftarrow \mu b + g`; update :math:`b` (or
     :math:`g + \mu b` with ``nesterov``). Starting from :math:`b=0` this equals torch's
-    first-step ``b = g``."""
+    first-step ``b = g``. ``momentum`` must be finite and >= 0, else ``ValueError``."""
+    check_hyperparam("trace", "momentum", momentum)
 
     def init(params, **extra):
         return TraceState(optree.tree_map(torch.zeros_like, params), hyperparam(momentum, params))
@@ -39,9 +40,16 @@ def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
 
 
 def sgd(lr=1e-3, momentum: float = 0.0, *, nesterov: bool = False, weight_decay: float = 0.0, weight_decay_mask=None):
-    r"""torch.optim.SGD: ``g += wd * p`` (coupled L2), momentum, ``p -= lr * update``."""
+    r"""torch.optim.SGD: ``g += wd * p`` (coupled L2), momentum, ``p -= lr * update``.
+
+    Invalid values raise ``ValueError`` here, as in torch.optim.SGD: a float ``lr``,
+    ``momentum`` and ``weight_decay`` must be finite and >= 0; ``nesterov`` needs momentum > 0."""
+    if not callable(lr):
+        check_hyperparam("sgd", "lr", lr)
+    momentum = check_hyperparam("sgd", "momentum", momentum)
+    check_hyperparam("sgd", "weight_decay", weight_decay)
     if nesterov and momentum <= 0:
-        raise ValueError("nesterov momentum requires momentum > 0")
+        raise ValueError(f"sgd: invalid momentum: {momentum!r} (nesterov=True requires momentum > 0)")
     txs = [add_decayed_weights(weight_decay, mask=weight_decay_mask)]
     if momentum:
         txs.append(trace(momentum, nesterov=nesterov))
