@@ -11,6 +11,8 @@ world of one) means one process, and no collective is ever called.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 
 import torch
@@ -179,6 +181,29 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return {"reduce_scatter_ms": t[0].tolist(), "all_gather_ms": t[1].tolist()}
 
+    def check_same(self, what: str, table: dict[str, str]) -> None:
+        """Raise the same ``ValueError`` on every rank unless all ranks pass an equal ``table``
+        (setting -> printable value); the message names each differing setting with its value
+        on each rank. Off the hot path (``init``): one all-gather of a digest, and only on a
+        mismatch a second one of the tables. No other collective runs before it returns, so
+        ranks that disagree (e.g. on a dtype) never meet in a collective that would mix them."""
+        if self.world_size == 1 or self.simulated:
+            return
+        digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
+        if len(set(self.all_gather_object(digest))) == 1:
+            return
+        tables = self.all_gather_object(table)
+        keys = list(dict.fromkeys(k for t in tables for k in t))
+        diffs = []
+        for key in keys:
+            ranks_of: dict[str, list[int]] = {}
+            for rank, t in enumerate(tables):
+                ranks_of.setdefault(t.get(key, "absent"), []).append(rank)
+            if len(ranks_of) > 1:
+                diffs.append(f"{key} is " + " but ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items()))
+        more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
+        raise ValueError(f"{what} differs across ranks: " + "; ".join(diffs[:4]) + more)
+
     def all_gather_object(self, obj) -> list:
         """Off the hot path only (init, errors): pickles ``obj`` to every rank."""
         if self.world_size == 1 or self.simulated:
@@ -186,6 +211,10 @@ class Comm:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def predivide_factor(world_size: int) -> float:

@@ -14,6 +14,7 @@ untouched.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import optree
@@ -23,10 +24,10 @@ from transforms.base import scalar
 
 from . import backward, checks
 from .comm import Comm, predivide_factor
-from .flat import Layout, flatten_buckets, make_layout, split_buckets, tree_shard, unflatten
+from .flat import Layout, flatten_buckets, leaf_paths, make_layout, split_buckets, tree_shard, unflatten
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
 
-__all__ = ["ZeroState", "Accumulated", "Engine", "zero1"]
+__all__ = ["ZeroState", "Accumulated", "Engine", "zero1", "cast_params"]
 
 _AUTO = "auto"
 
@@ -97,17 +98,42 @@ class Engine:
         checks.check_params(params)
         comm = self.comm
         layout = make_layout(params, comm.world_size, alignment=self.alignment, bucket_numel=self.bucket_numel)
-        self._check_ranks_agree(layout)
         self.layout = layout
         self.device = optree.tree_leaves(params)[0].device
         self.state_device = torch.device("cpu") if self.offload else self.device
         with torch.no_grad():
-            master = tree_shard(params, layout, comm.rank, dtype=torch.float32)
-            new_params = unflatten(comm.all_gather(master.to(self.param_dtype, copy=True), layout), layout)
-            master = self._to_state_device(master)
+            shard = tree_shard(params, layout, comm.rank, dtype=torch.float32)
+            first_params = cast_params(shard, self.param_dtype, copy=True)
+        master = self._to_state_device(shard)
         # Masks and the like refer to the params pytree; the transform sees only the flat shard.
         state = ZeroState(master, self.tx.init(master, tree=params, to_flat=self._mask_to_shard))
+        # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
+        # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
+        comm.check_same("engine configuration", {**layout.table(), **self._config_table(state.tx_state)})
+        self._tx_spec = optree.tree_structure(state.tx_state)
+        self._tx_leaves = [(p, x.shape, x.dtype) for p, x in zip(*leaf_paths(state.tx_state)[:2])]
+        with torch.no_grad():
+            new_params = unflatten(comm.all_gather(first_params, layout), layout)
         return new_params, state, self.loss_scale.init(self.device)
+
+    def _config_table(self, tx_state: Any) -> dict[str, str]:
+        """The settings every rank must share besides the layout, as printable entries: dtypes,
+        loss scaling, stage, offload and the transform's state (structure, each leaf's dtype and
+        shape, and the value of each 0-d leaf: counts and hyperparameters; read once, at init)."""
+        S = self.layout.shard_numel
+        out = {
+            "param_dtype": str(self.param_dtype),
+            "reduce_dtype": str(self.reduce_dtype),
+            "loss_scale": repr(self.loss_scale),
+            "stage": str(self.stage),
+            "offload": repr(self.offload),
+            "transform state": str(optree.tree_structure(tx_state)),
+        }
+        for path, x in zip(*leaf_paths(tx_state)[:2]):
+            if isinstance(x, torch.Tensor):
+                what = "[S]" if x.shape == (S,) else repr(x.item()) if x.ndim == 0 else str(tuple(x.shape))
+                out[f"transform leaf {path}"] = f"{what} {x.dtype}"
+        return out
 
     def state_like(self) -> tuple[ZeroState, LossScaleState]:
         """A fresh ``(state, scaler_state)`` with the structure, dtypes and devices ``init``
@@ -141,29 +167,6 @@ class Engine:
             full.append(m.expand(shape))
         return tree_shard(layout.treespec.unflatten(full), layout, self.comm.rank, dtype=torch.bool)
 
-    def _check_ranks_agree(self, layout: Layout) -> None:
-        """All ranks must lay out the same leaves the same way, or shards would mix weights.
-
-        One all-gather of a digest of (paths, shapes, buckets); only on a mismatch a second
-        one of the leaf tables, to name the first differing leaf and rank."""
-        if self.comm.world_size == 1:
-            return
-        sigs = self.comm.all_gather_object(layout.signature())
-        if len(set(sigs)) == 1:
-            return
-        tables = self.comm.all_gather_object(list(zip(layout.paths, [tuple(s) for s in layout.shapes])))
-        ref = tables[0]
-        for rank, table in enumerate(tables):
-            for i, (a, b) in enumerate(zip(ref, table)):
-                if a != b:
-                    raise ValueError(
-                        f"params differ across ranks: leaf {i} is {a[0]!r} with shape {a[1]} on rank 0 "
-                        f"but {b[0]!r} with shape {b[1]} on rank {rank}"
-                    )
-            if len(table) != len(ref):
-                raise ValueError(f"params differ across ranks: rank 0 has {len(ref)} leaves, rank {rank} has {len(table)}")
-        raise ValueError(f"params layout differs across ranks (same leaves, different buckets/alignment): {sigs}")
-
     # ------------------------------------------------------------------ step
     def step(self, params: Any, grads: Any, state: ZeroState, scaler_state: LossScaleState):
         """One optimizer step. ``params``: the pytree from ``init``/``step``, or its flat buffer
@@ -181,6 +184,7 @@ class Engine:
         """
         layout, comm = self._ready()
         flat_in = self._check(params, "params")  # the flat buffer itself (flat_params) or the pytree
+        self._check_state(state, scaler_state)
         scale = scaler_state.scale
 
         # 1. Sum over ranks, this rank's [S] shard only (see _reduce for the precision).
@@ -192,13 +196,16 @@ class Engine:
 
         # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
         #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
-        sumsq = comm.all_reduce_sum(torch.sum(g * g))
+        #    Squared and summed in float64: finite FP32 grads never overflow it (FP32 squares
+        #    overflow above 1.8e19, which would pass for an inf).
+        sumsq = comm.all_reduce_sum(torch.linalg.vector_norm(g, dtype=torch.float64).square())
         found_inf = ~torch.isfinite(sumsq)
-        grad_norm = torch.sqrt(sumsq)
+        norm = torch.sqrt(sumsq)
+        grad_norm = norm.float()
 
         # 4-6. Transform, skip if not finite, cast: on the FP32 shard (on the host with offload:
         #      a blocking copy there), in cache-sized chunks when eager (see _update).
-        g, skip, norm = (x.to(self.state_device) for x in (g, found_inf, grad_norm))
+        g, skip, norm = (x.to(self.state_device) for x in (g, found_inf, norm))
         master, tx_state, shard = self._update(g, state, skip, norm)
 
         # 7. Gather everyone's cast shard into the new flat param buffer.
@@ -225,7 +232,7 @@ class Engine:
         # Skip without a branch: on overflow every state tensor keeps its old bits.
         new_master = torch.where(skip, master, master + updates)
         new_tx_state = optree.tree_map(lambda new, old: torch.where(skip, old, new), new_tx_state, tx_state)
-        return new_master, new_tx_state, new_master.to(self.param_dtype)
+        return new_master, new_tx_state, cast_params(new_master, self.param_dtype)
 
     def _update(self, g, state: ZeroState, skip, norm):
         """``_update_chunk`` over the whole ``[S]`` shard.
@@ -295,6 +302,44 @@ class Engine:
         check(x, self.layout, what=what, device=self.device, dtype=self.param_dtype)
         return flat
 
+    def _check_state(self, state: Any, scaler_state: Any) -> None:
+        """``state``/``scaler_state`` must be what this engine's ``init``/``step`` returned: the
+        master shard and every transform leaf of the shapes and dtypes ``init`` built (static
+        facts only: no host sync, nothing traced)."""
+        if not isinstance(state, ZeroState):
+            raise TypeError(f"state must be the ZeroState from this engine's init/step, got {type(state).__name__}")
+        if not isinstance(scaler_state, LossScaleState):
+            raise TypeError(f"scaler_state must be the LossScaleState from this engine's init/step, "
+                            f"got {type(scaler_state).__name__}")
+        S, m = self.layout.shard_numel, state.master
+        if not isinstance(m, torch.Tensor) or m.shape != (S,) or m.dtype != torch.float32:
+            got = f"shape {tuple(m.shape)} {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+            raise ValueError(f"state.master is {got}, this engine's shard is ({S},) torch.float32: "
+                             "the state of another engine (another model, world size or layout)?")
+        paths, leaves, spec = leaf_paths(state.tx_state)
+        # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked.
+        if len(leaves) != len(self._tx_leaves) or (not torch.compiler.is_compiling() and spec != self._tx_spec):
+            raise ValueError(f"state.tx_state is {spec}, this engine's transform built {self._tx_spec}: "
+                             "the state of another engine (another transform)?")
+        for (path, shape, dtype), x in zip(self._tx_leaves, leaves):
+            if not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype:
+                got = f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"state.tx_state leaf {path!r} is {got}, this engine's is shape {tuple(shape)} {dtype}: "
+                                 "the state of another engine (another transform or layout)?")
+
+    def _check_accumulated(self, acc: Accumulated) -> bool:
+        """An ``Accumulated`` sum must be this rank's reduced ``[S]`` shard or the unreduced
+        ``[N*S]`` flat grads of this engine's layout; return whether it is reduced."""
+        S, full = self.layout.shard_numel, self.layout.padded_numel
+        g = acc.grads
+        if not isinstance(g, torch.Tensor) or g.shape not in ((S,), (full,)) or not g.is_floating_point():
+            got = f"shape {tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+            raise ValueError(f"Accumulated grads are {got}; this engine takes a reduced shard ({S},) or unreduced "
+                             f"flat grads ({full},), floating point: a sum from another engine?")
+        if not isinstance(acc.count, torch.Tensor) or acc.count.ndim != 0:
+            raise ValueError(f"Accumulated count must be a 0-d tensor, got {acc.count!r}")
+        return g.shape == (S,)
+
     def flat_params(self, params: Any) -> torch.Tensor:
         """The ``[N*S]`` flat buffer that ``params``' leaves are views of.
 
@@ -326,7 +371,7 @@ class Engine:
         """``(shard, pre, micro)``: this rank's ``[S]`` sum over ranks, its pre-division, and
         the number of micro-batches summed."""
         if isinstance(grads, Accumulated):
-            if grads.grads.shape == (self.layout.shard_numel,):  # reduced already (stage 2, overlap)
+            if self._check_accumulated(grads):  # reduced already (stage 2, overlap)
                 return grads.grads, self._pre(), grads.count
             return self.comm.reduce_scatter_sum(split_buckets(grads.grads, self.layout), self.layout), 1.0, grads.count
         flat, pre = self._flat_to_reduce(grads)
@@ -343,6 +388,11 @@ class Engine:
         non-finite, so the whole update is skipped.
         """
         layout, _ = self._ready()
+        if acc is not None and not isinstance(acc, Accumulated):
+            raise TypeError(f"acc must be None or the Accumulated from accumulate, got {type(acc).__name__}")
+        for a in (acc, grads):
+            if isinstance(a, Accumulated):
+                self._check_accumulated(a)
         if isinstance(grads, Accumulated):  # reduced already (grad_and_value): add shards
             if acc is not None and acc.grads.shape != grads.grads.shape:
                 raise ValueError(f"cannot add grads of shape {tuple(grads.grads.shape)} to a sum of shape "
@@ -405,6 +455,17 @@ class Engine:
     def state_bytes(self, state: ZeroState) -> int:
         """Bytes of tensor storage this rank holds for optimizer state (master + transform)."""
         return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
+def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False) -> torch.Tensor:
+    """FP32 master values in the param ``dtype``, *saturating*: values beyond the dtype's
+    finite range (65504 for FP16) become its largest finite value instead of inf, so a finite
+    master never gives a non-finite param. The master keeps the exact value; NaN stays NaN.
+    ``copy``: a new tensor even when ``dtype`` is FP32."""
+    if dtype == master.dtype:
+        return master.clone() if copy else master
+    big = torch.finfo(dtype).max
+    return master.to(dtype).nan_to_num_(nan=math.nan, posinf=big, neginf=-big)
 
 
 def _write_into(old: Any, new: Any) -> Any:

@@ -18,9 +18,8 @@ the padding is ``< N * alignment`` elements and rank ``r`` owns ``flat[r*S : (r+
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -40,14 +39,17 @@ __all__ = [
 DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
 
 
-def _path_str(path: Sequence[Any]) -> str:
-    return "/".join(str(k) for k in path) or "<root>"
+def _entry_name(entry: Any) -> str:
+    field = getattr(entry, "field", None)  # a NamedTuple field or an attribute: by name
+    return str(entry.entry if field is None else field)
 
 
 def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """``(paths, leaves, treespec)`` with paths like ``"blocks/0/attn/qkv_w"``."""
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    return [_path_str(p) for p in paths], leaves, spec
+    """``(paths, leaves, treespec)`` with paths like ``"blocks/0/attn/qkv_w"``: dict keys,
+    sequence indices and NamedTuple field names (``"tx_state/0/mu"``) joined by ``/``; the one
+    way fzero names a leaf, in errors and in checkpoints."""
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
+    return ["/".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors], leaves, spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +94,15 @@ class Layout:
         """``[(start, stop), ...]`` flat ranges rank owns, one per bucket, in shard order."""
         return [(b.start + rank * b.shard, b.start + (rank + 1) * b.shard) for b in self.buckets]
 
-    def signature(self) -> str:
-        """A digest of everything that must agree across ranks (paths, shapes, buckets)."""
-        text = repr((self.paths, [tuple(s) for s in self.shapes], self.buckets, self.world_size, self.alignment))
-        return hashlib.sha256(text.encode()).hexdigest()
+    def table(self) -> dict[str, str]:
+        """Everything about the layout that must agree across ranks, as printable entries
+        (leaf by leaf first, so a disagreement names the first differing leaf)."""
+        out = {f"leaf {i}": f"{p!r} with shape {tuple(s)}" for i, (p, s) in enumerate(zip(self.paths, self.shapes))}
+        out["number of leaves"] = str(len(self.paths))
+        out["alignment"] = str(self.alignment)
+        out["buckets"] = repr([b.leaves for b in self.buckets])
+        out["world size"] = str(self.world_size)
+        return out
 
 
 def make_layout(

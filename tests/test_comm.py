@@ -80,12 +80,12 @@ def test_buckets_counts_bytes_stage2_offload(world_size):
         torch.testing.assert_close(acc2["master"], acc1["master"], rtol=1e-6, atol=1e-7)  # stage 2 == stage 1
         torch.testing.assert_close(low["params"], one["params"], rtol=2e-3, atol=1e-3)  # FP16 reduce: FP16-close
         assert bucketed["buckets"] > 1
-        # per step: one reduce-scatter and one all-gather per bucket, one 4-byte all-reduce
+        # per step: one reduce-scatter and one all-gather per bucket, one 8-byte (float64) all-reduce
         for res in (one, bucketed, low):
             b = res["buckets"]
             assert res["counts"]["reduce_scatter"][0] == STEPS * b
             assert res["counts"]["all_gather"][0] == STEPS * b
-            assert res["counts"]["all_reduce"] == [STEPS, STEPS * 4]
+            assert res["counts"]["all_reduce"] == [STEPS, STEPS * 8]
         # wire bytes: FP16 reduce + FP16 gather = the buffer twice = one DDP (ring) all-reduce
         assert low["counts"]["reduce_scatter"][1] == STEPS * 2 * low["padded"]
         assert low["counts"]["all_gather"][1] == STEPS * 2 * low["padded"]

@@ -239,6 +239,73 @@ def test_bad_param_dtype_and_bad_params():
         engine.step({}, {}, None, None)
 
 
+def test_another_engines_state_or_a_non_state_is_rejected_by_name(ready):
+    engine, params, state, ss, grads = ready
+    other = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)  # another model: another layout
+    _, other_state, other_ss = other.init({"x": torch.zeros(300)})
+    with pytest.raises(ValueError, match=r"state.master is shape \(320,\).*another engine"):
+        engine.step(params, grads, other_state, ss)
+    sgd = fzero.zero1(transforms.sgd(lr=0.1, momentum=0.9), param_dtype=torch.float16)  # same model, another transform
+    _, sgd_state, _ = sgd.init(odd_params())
+    with pytest.raises(ValueError, match="state.tx_state is .*TraceState.*this engine's transform built .*ScaleByAdamState"):
+        engine.step(params, grads, sgd_state, ss)
+    with pytest.raises(TypeError, match="state must be the ZeroState.*got dict"):
+        engine.step(params, grads, {"master": state.master}, ss)
+    with pytest.raises(TypeError, match="scaler_state must be the LossScaleState.*got ZeroState"):
+        engine.step(params, grads, state, state)
+
+
+def test_accumulated_of_the_wrong_size_raises_instead_of_being_truncated(ready):
+    engine, params, state, ss, grads = ready
+    n = engine.layout.padded_numel
+    for bad in (torch.zeros(n + 5), torch.zeros(n - 1), torch.zeros(3)):
+        acc = fzero.Accumulated(bad, torch.ones((), dtype=torch.int32))
+        with pytest.raises(ValueError, match=rf"Accumulated grads are shape \({bad.numel()},\).*\({n},\)"):
+            engine.step(params, acc, state, ss)
+        with pytest.raises(ValueError, match="Accumulated grads are"):
+            engine.accumulate(acc, grads)
+
+
+# ---------------------------------------------------------------- overflow paths
+@pytest.mark.parametrize("param_dtype,big", [(torch.float16, 65000.0), (torch.bfloat16, 3.38e38)])
+def test_update_past_the_param_dtype_range_saturates_instead_of_writing_inf(param_dtype, big):
+    top = torch.finfo(param_dtype).max
+    p0 = {"w": torch.tensor([big, -big, 1.0])}
+    # Adam's first step moves each element by lr against the grad's sign: past the dtype's range.
+    lr = 2 * (top - big) + 1e3 if param_dtype == torch.float16 else 2e36
+    engine = fzero.zero1(transforms.adamw(lr=lr, weight_decay=0.0), param_dtype=param_dtype, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    grads = {"w": torch.tensor([-1.0, 1.0, 0.0]).to(param_dtype)}
+    params, state, ss, info = engine.step(params, grads, state, ss)
+    assert not info["found_inf"]
+    assert torch.isfinite(state.master).all()
+    assert state.master[0] > top and state.master[1] < -top  # the master keeps the exact value
+    assert params["w"][0].item() == top and params["w"][1].item() == -top  # the copy saturates
+    assert torch.isfinite(params["w"]).all()
+
+
+def test_init_with_params_beyond_the_fp16_range_saturates():
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    params, state, _ = engine.init({"w": torch.tensor([1e5, -1e6, 2.0])})
+    assert params["w"].tolist() == [65504.0, -65504.0, 2.0]
+    assert state.master[:3].tolist() == [1e5, -1e6, 2.0]
+
+
+def test_finite_grads_with_a_norm_past_fp32_squares_are_not_an_overflow():
+    p0 = {"w": torch.ones(64)}
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    grads = {"w": torch.full((64,), 1e20)}  # finite; every square is past FP32's max
+    params, new_state, ss, info = engine.step(params, grads, state, ss)
+    assert not info["found_inf"]
+    torch.testing.assert_close(info["grad_norm"], torch.tensor(8e20), rtol=1e-6, atol=0)
+    assert new_state.tx_state[0].count.item() == 1  # applied, not skipped
+    torch.testing.assert_close(params["w"], torch.full((64,), 1 - 1e-2 * (1 + 1e-2)), rtol=1e-5, atol=0)
+    grads["w"][3] = float("inf")  # a real overflow still is one
+    _, _, _, info = engine.step(params, grads, new_state, ss)
+    assert info["found_inf"]
+
+
 # ---------------------------------------------------------------- transforms under the engine
 def run_engine(tx, p0, grads_list, **kw):
     engine = fzero.zero1(tx, param_dtype=torch.float32, loss_scale=None, **kw)

@@ -88,6 +88,46 @@ def mismatched_layout(rank, world_size):
     return "no error"
 
 
+# Each case: (what rank 0 builds, what rank 1 builds, what the error must say).
+CONFIG_CASES = {
+    "param_dtype": (dict(param_dtype=torch.float16), dict(param_dtype=torch.bfloat16),
+                    "param_dtype is torch.float16 on rank 0 but torch.bfloat16 on rank 1"),
+    "reduce_dtype": (dict(reduce_dtype=torch.float32), dict(reduce_dtype=torch.float16),
+                     "reduce_dtype is torch.float32 on rank 0 but torch.float16 on rank 1"),
+    "loss_scale": (dict(loss_scale=fzero.DynamicLossScale()), dict(loss_scale=fzero.DynamicLossScale(init_scale=2.0**10)),
+                   "loss_scale is DynamicLossScale(init_scale=65536.0"),
+    "stage": (dict(stage=1), dict(stage=2), "stage is 1 on rank 0 but 2 on rank 1"),
+    "offload": (dict(offload=None), dict(offload="cpu"), "offload is None on rank 0 but 'cpu' on rank 1"),
+    "lr": (dict(tx=transforms.adamw(lr=1e-3)), dict(tx=transforms.adamw(lr=2e-3)),
+           "transform leaf 2/lr is 0.001 torch.float64 on rank 0 but 0.002 torch.float64 on rank 1"),
+    "betas": (dict(tx=transforms.adamw(betas=(0.9, 0.999))), dict(tx=transforms.adamw(betas=(0.9, 0.95))),
+              "transform leaf 0/b2 is 0.999 torch.float64 on rank 0 but 0.95 torch.float64 on rank 1"),
+    "transform": (dict(tx=transforms.adamw()), dict(tx=transforms.sgd(lr=0.1, momentum=0.9)),
+                  "transform state is PyTreeSpec((ScaleByAdamState("),
+}
+
+
+def mismatched_configs(rank, world_size):
+    msgs = {}
+    for name, cases in CONFIG_CASES.items():
+        kw = {"tx": transforms.adamw(), "param_dtype": torch.float16, **cases[rank]}
+        engine = fzero.zero1(kw.pop("tx"), **kw)
+        try:
+            engine.init(odd_params())
+            msgs[name] = "no error"
+        except ValueError as e:
+            msgs[name] = str(e)
+    return msgs
+
+
+def test_ranks_that_disagree_on_the_configuration_fail_at_init_naming_setting_and_ranks():
+    out = run_ranks(mismatched_configs, 2)
+    for name, (_, _, want) in CONFIG_CASES.items():
+        for rank, msgs in enumerate(out):
+            assert msgs[name].startswith("engine configuration differs across ranks"), (name, rank, msgs[name])
+            assert want in msgs[name], (name, rank, msgs[name])
+
+
 def world_changed(rank, world_size):
     engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)  # before the group exists
     params, state, ss = engine.init(odd_params())
