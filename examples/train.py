@@ -10,7 +10,9 @@ updates this rank's 1/N shard of the FP32 master weights and Adam moments, and a
 the new FP16/BF16 params. The default data is character-level
 Python: the standard library's own sources (see data.py); --data FILE trains on your text.
 
-Writes <out>/metrics.jsonl (one record per step, then {"summary": ...}) and <out>/loss.png.
+Writes <out>/metrics.jsonl (one record per step, then {"summary": ...}; after --resume the summary's
+"resumed" holds the checkpoint, its step and the hyperparameters the run continued with) and
+<out>/loss.png.
 """
 from __future__ import annotations
 
@@ -186,14 +188,18 @@ def main(argv=None):
               f"{len(engine.layout.buckets)} communication bucket(s)")
     log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
 
-    first_step = 1
+    first_step, resumed = 1, None
     if args.resume:  # same model and optimizer, any world size; batches are seeded by step
+        # The hyperparameters of this command line (--weight-decay, --grad-clip) take effect;
+        # load warns about each one that differs from the checkpoint's.
         params, state, scaler_state, extra = fzero.checkpoint.load(args.resume, engine)
         first_step = extra["step"] + 1
         if first_step > args.steps:
             raise SystemExit(f"{args.resume} is at step {extra['step']}, not before --steps {args.steps}")
+        hyperparams = {name: float(v) for name, v in transforms.get_hyperparams(state).items()}  # once, before the loop
+        resumed = {"from": args.resume, "step": extra["step"], "hyperparams": hyperparams}
         if rank == 0:
-            print(f"resumed from {args.resume} at step {extra['step']}")
+            print(f"resumed from {args.resume} at step {extra['step']} with hyperparameters {json.dumps(hyperparams)}")
 
     records, skipped, warned_stuck = [], 0, False
     profiler = make_profiler(args.profile, rank) if args.profile else contextlib.nullcontext()
@@ -246,6 +252,8 @@ def main(argv=None):
     # Every rank hashes its full param buffer: ZeRO-1 must leave them bit-identical.
     digests = gather_to_all(sha256(fzero.flatten(params, engine.layout)))
     summary = summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests)
+    if resumed:
+        summary["resumed"] = resumed
     if rank == 0:
         log.write(json.dumps({"summary": summary}) + "\n")
         log.close()

@@ -3,16 +3,21 @@
 The multi-rank runs are few and batched (one spawn per world size): the 2 -> 3 -> 1 -> 4 chain
 checks, at each link, that the loaded global state is bitwise the saved one, that resuming
 matches training straight through (bitwise at the same world size, 1e-6 at another), and
-that errors are raised on every rank. Crash points are simulated in-process by a hook that
-raises a ``BaseException`` the save does not catch (the files are then exactly as a kill
-leaves them); one spawned run really kills a rank in the middle of its write.
+that errors are raised on every rank. Crash points are simulated in-process by a ``_hook``
+passed to ``save`` that raises a ``BaseException`` the save does not catch (the files are then
+exactly as a kill leaves them); one spawned run really kills a rank in the middle of its write.
+Loads racing saves: ``load``'s ``_hook`` saves between its phases (deterministic), and two
+spawned processes save and load the same path over and over.
 """
 import glob
+import hashlib
 import inspect
 import json
 import os
 import re
 import shutil
+import time
+import warnings
 
 import optree
 import pytest
@@ -62,7 +67,7 @@ def run_steps(engine, params, state, ss, steps):
 
 def global_view(engine, state, ss):
     """Every state leaf as the global [P] vector (real elements, tree order) or 0-d value."""
-    names, leaves, _ = ck._state_paths(state)
+    names, leaves, _ = fzero.flat.leaf_paths(state)
     out = {}
     for name, leaf in zip(names, leaves):
         if leaf.ndim == 0:
@@ -99,8 +104,22 @@ def load_error(path, engine):
     return "no error"
 
 
+def snapshot_dir(path):
+    """The snapshot directory the checkpoint at ``path`` points to."""
+    with open(os.path.join(path, ck.POINTER)) as f:
+        return os.path.join(path, json.load(f)["snapshot"])
+
+
 def shard_files(path):
-    return sorted(glob.glob(os.path.join(path, "shard-*.safetensors")))
+    return sorted(glob.glob(os.path.join(snapshot_dir(path), "shard-*.safetensors")))
+
+
+def entries(path):
+    """``path``'s listing, with each snapshot name shown as ``snapshot-*``."""
+    return sorted(re.sub(r"^snapshot-[0-9a-f]{32}$", "snapshot-*", name) for name in os.listdir(path))
+
+
+COMMITTED = sorted([ck.POINTER, ck.MARKER, "snapshot-*", "snapshot-*"])  # after two saves or more
 
 
 def flip_byte(file, from_end=5):
@@ -148,7 +167,7 @@ def stage_a(rank, world_size, tmp):
 
     if rank == 0:  # a copy with one shard missing
         shutil.copytree(c, c + "_missing")
-        os.remove(os.path.join(c + "_missing", "shard-00001-of-00002.safetensors"))
+        os.remove(os.path.join(snapshot_dir(c + "_missing"), "shard-00001-of-00002.safetensors"))
     dist.barrier()
     return {
         "at_save": at_save,
@@ -159,6 +178,7 @@ def stage_a(rank, world_size, tmp):
         "params_equal": params_equal,
         "missing": load_error(c + "_missing", fresh),
         "listing": sorted(os.listdir(tmp)),
+        "entries": entries(c),
     }
 
 
@@ -167,7 +187,7 @@ def stage_b(rank, world_size, tmp):
     c = os.path.join(tmp, "c")
     if rank == 0:  # a copy with a flipped byte in the data of rank 1's shard
         shutil.copytree(c, c + "_bad")
-        flip_byte(os.path.join(c + "_bad", "shard-00001-of-00002.safetensors"))
+        flip_byte(os.path.join(snapshot_dir(c + "_bad"), "shard-00001-of-00002.safetensors"))
     dist.barrier()
     engine = make_engine(alignment=8, **BUCKETS)
     engine.init(model_params(seed=3))
@@ -213,8 +233,9 @@ def test_chain_2_3_1_4_round_trips_and_exact_resume(tmp_path):
     assert int(a["at_save"]["tx_state/0/count"]) == K - 1  # step BAD was skipped (and the scale backed off)
     assert "shard-00001-of-00002.safetensors" in a["missing"] and "missing" in a["missing"]
     assert ": ranks 0, 1: shard file" in a["missing"]  # agreed: every rank raised the same error
-    # no temporary or old directories left once the saves finished
-    assert not [f for f in a["listing"] if ".tmp-" in f or ".old-" in f], a["listing"]
+    # nothing next to the checkpoint; in it the marker, the pointer, the current and the previous snapshot
+    assert a["listing"] == ["c", "c_missing", "master.safetensors", "params.safetensors"], a["listing"]
+    assert a["entries"] == COMMITTED, a["entries"]
 
     # export_full: the consolidated FP32 master and FP16 params, keyed by leaf path
     master = load_file(os.path.join(tmp, "master.safetensors"))
@@ -264,17 +285,18 @@ def test_chain_2_3_1_4_round_trips_and_exact_resume(tmp_path):
     _, state, ss, _ = ck.load(os.path.join(tmp, "c4"), engine)
     assert_views_equal(global_view(engine, state, ss), d["after"])
 
-    # nothing pickled: JSON manifests and safetensors files only
+    # nothing pickled: JSON (manifests, pointers, markers) and safetensors files only
     for path in glob.glob(os.path.join(tmp, "c*")):
-        for name in os.listdir(path):
-            file = os.path.join(path, name)
+        for file in glob.glob(os.path.join(path, "**"), recursive=True):
+            if os.path.isdir(file):
+                continue
             with open(file, "rb") as f:
                 head = f.read(9)
             assert head[:1] != b"\x80" and head[:2] != b"PK", file  # no pickle, no torch.save zip
-            if name == "manifest.json":
+            if file.endswith(".json"):
                 json.loads(open(file).read())
             else:
-                assert name.endswith(".safetensors") and head[8:9] == b"{", file
+                assert file.endswith(".safetensors") and head[8:9] == b"{", file
                 load_file(file)
 
 
@@ -305,11 +327,9 @@ def crash_at(point, truncate=False):
 
 
 @pytest.mark.parametrize(
-    "point,exchange",
-    [("tmp_created", True), ("shard_written", True), ("manifest_written", True),
-     ("between_renames", False), ("committed", True)],
+    "point", ["snapshot_created", "shard_written", "manifest_written", "pointer_written", "committed"]
 )
-def test_crash_at_any_point_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, point, exchange):
+def test_crash_at_any_point_leaves_a_loadable_checkpoint(tmp_path, point):
     path = str(tmp_path / "ckpt")
     engine = make_engine()
     params, state, ss = trained(engine, 2)
@@ -318,29 +338,38 @@ def test_crash_at_any_point_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, 
     params, state, ss = run_steps(engine, params, state, ss, range(2, 4))
     new = global_view(engine, state, ss)
 
-    monkeypatch.setattr(ck, "_use_exchange", exchange)
-    monkeypatch.setattr(ck, "_test_hook", crash_at(point, truncate=point == "shard_written"))
     with pytest.raises(Killed):
-        ck.save(path, params, state, ss, engine, extra={"v": 2})
-    monkeypatch.setattr(ck, "_test_hook", None)
+        ck.save(path, params, state, ss, engine, extra={"v": 2}, _hook=crash_at(point, truncate=point == "shard_written"))
+    if point == "pointer_written":  # the new pointer was written, not yet moved into place
+        assert [n for n in os.listdir(path) if n.startswith(f".{ck.POINTER}.tmp-")]
 
     fresh = make_engine()
     fresh.init(model_params(seed=9))
-    if point == "between_renames":  # path is gone for an instant; load reads the .old-* copy
-        assert not os.path.exists(path)
-        with pytest.warns(UserWarning, match="interrupted"):
-            _, s2, ss2, extra = ck.load(path, fresh)
-    else:
-        _, s2, ss2, extra = ck.load(path, fresh)
-        assert sorted(os.listdir(path)) == ["manifest.json", "shard-00000-of-00001.safetensors"]
+    _, s2, ss2, extra = ck.load(path, fresh)
     committed = point == "committed"
     assert extra == {"v": 2 if committed else 1}
     assert_views_equal(global_view(fresh, s2, ss2), new if committed else old)
+    assert os.listdir(tmp_path) == ["ckpt"]  # a save never writes next to path
 
-    # the next save puts things right and leaves nothing else next to path
+    # the next save deletes what the crashed one left (recorded in the marker) and nothing else
+    before = ck._read_pointer(path)[0]
     ck.save(path, params, state, ss, engine, extra={"v": 3})
-    assert os.listdir(tmp_path) == ["ckpt"]
+    assert entries(path) == COMMITTED and os.listdir(tmp_path) == ["ckpt"]
+    assert before in os.listdir(path)  # the previous snapshot stays until the next save
     assert ck.load(path, fresh)[3] == {"v": 3}
+
+
+def test_crash_in_the_first_save_then_a_save_that_completes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    engine = make_engine()
+    params, state, ss = trained(engine, 2)
+    with pytest.raises(Killed):
+        ck.save(path, params, state, ss, engine, _hook=crash_at("manifest_written"))
+    with pytest.raises(ck.CheckpointError, match="no save to it has completed"):
+        ck.load(path, fresh_engine())
+    ck.save(path, params, state, ss, engine, extra={"v": 1})
+    assert entries(path) == sorted([ck.POINTER, ck.MARKER, "snapshot-*"])  # the partial snapshot is gone
+    assert ck.load(path, fresh_engine())[3] == {"v": 1}
 
 
 def crash_rank1_mid_write(rank, world_size, tmp):
@@ -357,9 +386,8 @@ def crash_rank1_mid_write(rank, world_size, tmp):
                 f.truncate(os.path.getsize(info["file"]) // 2)
             os._exit(1)  # no cleanup, no goodbye to the group
 
-    ck._test_hook = die
     try:
-        ck.save(path, params, state, ss, engine, extra={"v": 2})
+        ck.save(path, params, state, ss, engine, extra={"v": 2}, _hook=die)
     except ck.CheckpointError as e:  # rank 0 learns from the group that rank 1 is gone
         return str(e)
     return "saved"
@@ -369,8 +397,10 @@ def test_rank_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     msg, dead = run_ranks(crash_rank1_mid_write, 2, str(tmp_path), timeout=90, may_die=(1,))
     assert dead is None and msg.startswith("save ") and "did one die?" in msg, msg
     path = str(tmp_path / "ckpt")
-    assert sorted(os.listdir(path)) == ["manifest.json"] + [f"shard-0000{r}-of-00002.safetensors" for r in range(2)]
-    assert not glob.glob(path + ".tmp-*")  # the surviving rank 0 removed the partial directory
+    # the surviving rank 0 removed the partial snapshot; the previous one is intact
+    assert entries(path) == sorted([ck.POINTER, ck.MARKER, "snapshot-*"])
+    assert sorted(os.listdir(snapshot_dir(path))) == ["manifest.json"] + [f"shard-0000{r}-of-00002.safetensors" for r in range(2)]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ref.safetensors"]
     engine = make_engine()
     engine.init(model_params(seed=3))
     params, state, ss, extra = ck.load(path, engine)
@@ -403,29 +433,36 @@ def fresh_engine(**kw):
 
 def test_corrupted_truncated_missing_shard_and_manifest_name_the_file(saved):
     path, engine, *_ = saved
-    shard = shard_files(path)[0]
+    shard = os.path.relpath(shard_files(path)[0], path)  # snapshot-<id>/shard-00000-of-00001.safetensors
     for name, damage, want in [
-        ("flip", lambda d: flip_byte(os.path.join(d, os.path.basename(shard))), "is corrupted: sha256"),
-        ("cut", lambda d: os.truncate(os.path.join(d, os.path.basename(shard)), 100), "has 100 bytes"),
-        ("gone", lambda d: os.remove(os.path.join(d, os.path.basename(shard))), "is missing"),
+        ("flip", lambda d: flip_byte(os.path.join(d, shard)), "is corrupted: sha256"),
+        ("cut", lambda d: os.truncate(os.path.join(d, shard), 100), "has 100 bytes"),
+        ("gone", lambda d: os.remove(os.path.join(d, shard)), "is missing"),
     ]:
         bad = f"{path}_{name}"
         shutil.copytree(path, bad)
         damage(bad)
         with pytest.raises(ck.CheckpointError, match=want) as e:
             ck.load(bad, fresh_engine())
-        assert os.path.join(bad, os.path.basename(shard)) in str(e.value)
+        assert os.path.join(bad, shard) in str(e.value)
     # a flipped byte in the data is caught by the checksum only: with verify=False it loads
     flipped = f"{path}_flip"
     ck.load(flipped, fresh_engine(), verify=False)
 
-    os.remove(os.path.join(f"{path}_cut", "manifest.json"))
+    os.remove(os.path.join(snapshot_dir(f"{path}_cut"), "manifest.json"))
     with pytest.raises(ck.CheckpointError, match="manifest.json is missing"):
         ck.load(f"{path}_cut", fresh_engine())
-    with open(os.path.join(path + "_gone", "manifest.json"), "w") as f:
+    with open(os.path.join(snapshot_dir(path + "_gone"), "manifest.json"), "w") as f:
         f.write('{"format": "fzero-checkpoint", "vers')
-    with pytest.raises(ck.CheckpointError, match=r"cannot read .*_gone/manifest.json"):
+    with pytest.raises(ck.CheckpointError, match=r"_gone/snapshot-\w+/manifest.json is corrupted: sha256 \w+ but .*current.json says"):
         ck.load(path + "_gone", fresh_engine())
+    edit_manifest(path + "_gone", lambda text: text)  # the pointer now vouches for the truncated text
+    with pytest.raises(ck.CheckpointError, match=r"cannot read .*_gone/snapshot-\w+/manifest.json"):
+        ck.load(path + "_gone", fresh_engine())
+    with open(os.path.join(path + "_flip", ck.POINTER), "w") as f:
+        f.write('{"format": "fzero-checkpoint", "version": 2, "snapshot": "../elsewhere", "manifest_sha256": "00"}')
+    with pytest.raises(ck.CheckpointError, match=r"current.json: pointer field snapshot = '../elsewhere': must match"):
+        ck.load(path + "_flip", fresh_engine())
     with pytest.raises(ck.CheckpointError, match="does not exist"):
         ck.load(path + "_nope", fresh_engine())
 
@@ -464,7 +501,7 @@ def test_incompatible_model_or_transform_names_the_leaf(saved):
 def test_manifest_contents_and_no_pickle(saved):
     path, engine, params, state, ss = saved
     m = ck.read_manifest(path)
-    assert m["format"] == "fzero-checkpoint" and m["version"] == 1 and m["world_size"] == 1
+    assert m["format"] == "fzero-checkpoint" and m["version"] == ck.VERSION == 2 and m["world_size"] == 1
     assert m["param_dtype"] == "float16" and m["step"] == 2  # 3 steps, one skipped
     assert [(e["path"], e["shape"], e["offset"]) for e in m["layout"]["leaves"]] == [
         ("blocks/0/g", [13], 0), ("blocks/1/g", [3, 1, 2], 13), ("one", [1], 19), ("w", [7, 5], 20), ("z", [17, 23], 55)]
@@ -473,7 +510,7 @@ def test_manifest_contents_and_no_pickle(saved):
     assert m["loss_scale"]["scale"] == float(ss.scale) and m["extra"] == {"epoch": 1, "seen": [1, 2]}
     (entry,) = m["files"]
     assert entry["segments"] == [[0, 446]] and len(entry["sha256"]) == 64
-    tensors = load_file(os.path.join(path, entry["file"]))
+    tensors = load_file(os.path.join(snapshot_dir(path), entry["file"]))
     assert sorted(tensors) == ["master", "tx_state/0/mu", "tx_state/0/nu", "tx_state/1/mask"]
     assert tensors["tx_state/1/mask"].dtype == torch.bool and tensors["master"].shape == (446,)  # no padding
 
@@ -544,3 +581,361 @@ def test_each_rank_reads_exactly_its_real_elements(old_n, new_n):
     for j, (entry, owner) in enumerate(zip(files, ck._verifiers(files, new_segments))):
         seen = [sum(m for *_, m in ck._overlaps(entry["segments"], segs)) for segs in new_segments]
         assert owner == (seen.index(max(seen)) if max(seen) else j % new_n)
+
+
+# ------------------------------------------------------------------------ what a save may delete
+def test_save_keeps_siblings_and_unknown_files_and_refuses_foreign_directories(saved, tmp_path):
+    path, engine, params, state, ss = saved
+    backup = tmp_path / "ckpt.old-manual-backup"  # names an earlier protocol used for itself
+    shutil.copytree(path, backup)
+    (tmp_path / "ckpt.tmp-notes").write_text("mine")
+    (tmp_path / "ckpt" / "notes.txt").write_text("mine")
+    stray = tmp_path / "ckpt" / ("snapshot-" + "0" * 32)  # a snapshot name the marker does not record
+    stray.mkdir()
+    (stray / "keep.txt").write_text("mine")
+    ours_before = set(os.listdir(backup))
+    for v in range(3):
+        ck.save(path, params, state, ss, engine, extra={"v": v})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.old-manual-backup", "ckpt.tmp-notes"]
+    assert set(os.listdir(backup)) == ours_before and (tmp_path / "ckpt.tmp-notes").read_text() == "mine"
+    assert (tmp_path / "ckpt" / "notes.txt").read_text() == "mine" and (stray / "keep.txt").read_text() == "mine"
+    assert entries(path) == sorted(COMMITTED + ["notes.txt", "snapshot-*"])
+    # load never reads a sibling in place of a missing path
+    shutil.rmtree(path)
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.load(path, fresh_engine())
+    # a non-empty directory that is not fzero's, a file: refused, untouched
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.bin").write_bytes(b"x")
+    with pytest.raises(ck.CheckpointError, match=r"refusing to overwrite .*data: it exists, is not empty and is not an fzero"):
+        ck.save(str(tmp_path / "data"), params, state, ss, engine)
+    assert os.listdir(tmp_path / "data") == ["x.bin"]
+    with pytest.raises(ck.CheckpointError, match="refusing to overwrite .*ckpt.tmp-notes: it exists and is not a directory"):
+        ck.save(str(tmp_path / "ckpt.tmp-notes"), params, state, ss, engine)
+    (tmp_path / "empty").mkdir()  # an empty directory becomes a checkpoint
+    ck.save(str(tmp_path / "empty"), params, state, ss, engine, extra={"v": "e"})
+    assert ck.load(str(tmp_path / "empty"), fresh_engine())[3] == {"v": "e"}
+
+
+def test_save_through_a_symlink_writes_into_its_target(saved, tmp_path):
+    path, engine, params, state, ss = saved
+    link, target = tmp_path / "link", tmp_path / "real"
+    os.symlink(target, link)  # dangling: the first save creates the target
+    for v in range(3):
+        ck.save(str(link), params, state, ss, engine, extra={"v": v})
+    assert os.path.islink(link) and os.readlink(link) == str(target)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "link", "real"]  # no temporary links or directories
+    assert entries(target) == COMMITTED
+    assert ck.load(str(link), fresh_engine())[3] == {"v": 2} == ck.load(str(target), fresh_engine())[3]
+    other = tmp_path / "link2"
+    os.symlink(path, other)  # a link to an existing checkpoint
+    ck.save(str(other), params, state, ss, engine, extra={"v": "via link"})
+    assert os.path.islink(other) and ck.load(path, fresh_engine())[3] == {"v": "via link"}
+
+
+# ------------------------------------------------------------------------ loads racing saves
+def tagged(state, ss, tag):
+    """``state``/``ss`` with every part saying ``tag``: master and moments filled with it, both
+    counts equal to it, weight decay ``tag / 100``, loss scale ``tag + 1``."""
+    adam, decay, sched = state.tx_state
+    count = torch.tensor(tag, dtype=torch.int32)
+    adam = adam._replace(count=count, mu=torch.full_like(adam.mu, tag), nu=torch.full_like(adam.nu, tag))
+    decay = decay._replace(inner=decay.inner._replace(weight_decay=torch.tensor(tag / 100, dtype=torch.float64)))
+    state = fzero.ZeroState(torch.full_like(state.master, tag), (adam, decay, sched._replace(count=count)))
+    return state, ss._replace(scale=torch.tensor(tag + 1.0))
+
+
+def mixed_parts(engine, state, ss, extra):
+    """The parts of a loaded checkpoint that do not say ``extra["tag"]`` (empty: consistent)."""
+    tag = extra["tag"]
+    real = torch.zeros(engine.layout.shard_numel, dtype=torch.bool)  # padding is not stored: zero
+    for g0, g1, pos in ck._rank_segments(engine.layout)[engine.comm.rank]:
+        real[pos : pos + g1 - g0] = True
+    adam, decay, sched = state.tx_state
+    checks = {
+        "master": bool((state.master[real] == tag).all()),
+        "mu": bool((adam.mu[real] == tag).all()),
+        "nu": bool((adam.nu[real] == tag).all()),
+        "count": int(adam.count) == tag,
+        "schedule count": int(sched.count) == tag,
+        "weight_decay": float(decay.inner.weight_decay) == tag / 100,
+        "loss scale": float(ss.scale) == tag + 1,
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
+def test_a_load_reads_one_snapshot_while_saves_commit(saved):
+    path, engine, params, state, ss = saved
+    original = global_view(engine, state, ss)
+    p2, s2, ss2 = run_steps(engine, params, state, ss, range(3, 5))
+
+    def save_once(point, **info):
+        if point == "resolved":
+            ck.save(path, p2, s2, ss2, engine, extra={"v": 2})
+
+    fresh = fresh_engine()
+    _, s, sc, extra = ck.load(path, fresh, _hook=save_once)  # the snapshot read is kept by that save
+    assert extra == {"epoch": 1, "seen": [1, 2]}
+    assert_views_equal(global_view(fresh, s, sc), original)
+    assert ck.load(path, fresh)[3] == {"v": 2}
+
+    for at in ("resolved", "verified"):  # two saves: the snapshot being read is deleted
+        def save_twice(point, **info):
+            if point == at:
+                for v in (3, 4):
+                    ck.save(path, p2, s2, ss2, engine, extra={"v": v})
+
+        with pytest.raises(ck.CheckpointError, match=r"was replaced while loading: .*snapshot-\w+/(manifest.json|shard-\S+) is gone"):
+            ck.load(path, fresh_engine(), _hook=save_twice)
+    assert ck.load(path, fresh_engine())[3] == {"v": 4}
+
+
+RACE_SECONDS, RACE_SAVES = 3.0, 40
+
+
+def race_save_and_load(rank, world_size, tmp):
+    """Rank 0 saves tagged states to one path, over and over; rank 1 loads it meanwhile. Each
+    is a one-process engine (no group): two independent programs sharing a directory."""
+    path, ready, done = (os.path.join(tmp, name) for name in ("ckpt", "ready", "done"))
+    engine = make_engine()
+    params, state, ss = engine.init(model_params())
+    if rank == 0:
+        ck.save(path, params, *tagged(state, ss, 0), engine, extra={"tag": 0})
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tag, start = 1, time.monotonic()
+        while tag < 3 or (tag < RACE_SAVES and time.monotonic() - start < RACE_SECONDS):
+            ck.save(path, params, *tagged(state, ss, tag), engine, extra={"tag": tag})
+            tag += 1
+        with open(done, "w") as f:
+            f.write(str(tag - 1))
+        return {"saves": tag}
+    out = {"loads": 0, "replaced": 0, "errors": [], "mixed": []}
+    deadline = time.monotonic() + 90
+    while not os.path.exists(os.path.join(path, ck.POINTER)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    open(ready, "w").close()
+    finished = False
+    while not finished and time.monotonic() < deadline:
+        finished = os.path.exists(done)  # one more load after the last save
+        try:
+            _, s, sc, extra = ck.load(path, engine, hyperparams="checkpoint")
+        except ck.CheckpointError as e:  # allowed: the snapshot went away (two saves) mid-load
+            if "replaced while loading" in str(e):
+                out["replaced"] += 1
+            else:
+                out["errors"].append(str(e))
+            continue
+        out["loads"] += 1
+        mixed = mixed_parts(engine, s, sc, extra)
+        if mixed:
+            out["mixed"].append((extra["tag"], mixed))
+        out["last"] = extra["tag"]
+    out["final"] = int(open(done).read()) if os.path.exists(done) else None
+    return out
+
+
+def test_loads_racing_saves_are_never_mixed_nor_corrupted(tmp_path):
+    saver, loader = run_ranks(race_save_and_load, 2, str(tmp_path), init=False, timeout=150)
+    assert saver["saves"] >= 3
+    assert loader["errors"] == [] and loader["mixed"] == [], loader
+    assert loader["final"] == saver["saves"] - 1 and loader["last"] == loader["final"]  # the load after the last save
+    assert loader["loads"] >= 1
+    assert entries(str(tmp_path / "ckpt")) == COMMITTED
+
+
+# ------------------------------------------------------------------------ manifest validation
+def edit_manifest(path, edit):
+    """Rewrite the current manifest's text with ``edit(text)`` and put its sha256 in the pointer,
+    so that only the validation of its values can catch the change."""
+    file = os.path.join(snapshot_dir(path), "manifest.json")
+    with open(file) as f:
+        text = edit(f.read())
+    with open(file, "w") as f:
+        f.write(text)
+    pointer = os.path.join(path, ck.POINTER)
+    with open(pointer) as f:
+        p = json.load(f)
+    p["manifest_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    with open(pointer, "w") as f:
+        json.dump(p, f)
+
+
+def edit_fields(path, change):
+    """``change(manifest)`` on the parsed manifest, written back (see ``edit_manifest``)."""
+    def edit(text):
+        m = json.loads(text)
+        change(m)
+        return json.dumps(m, indent=1)
+
+    edit_manifest(path, edit)
+
+
+def set_scalar(name, value):
+    def change(m):
+        (entry,) = [e for e in m["state"] if e["name"] == name]
+        entry["value"] = value
+
+    return change
+
+
+def set_at(value, *keys):
+    def change(m):
+        for k in keys[:-1]:
+            m = m[k]
+        m[keys[-1]] = value
+
+    return change
+
+
+def add_scalar(name, value, dtype="float64"):
+    return lambda m: m["state"].append({"name": name, "kind": "scalar", "dtype": dtype, "value": value})
+
+
+BAD_MANIFESTS = {
+    "b2 >= 1": (set_scalar("tx_state/0/b2", 1.5), r"state\['tx_state/0/b2'\]\.value = 1\.5: must be in \[0, 1\)"),
+    "b1 < 0": (set_scalar("tx_state/0/b1", -0.1), r"state\['tx_state/0/b1'\]\.value = -0\.1: must be in \[0, 1\)"),
+    "b2 nan": (set_scalar("tx_state/0/b2", "nan"), r"state\['tx_state/0/b2'\]\.value = 'nan': must be in \[0, 1\)"),
+    "eps < 0": (set_scalar("tx_state/0/eps", -1e-8), r"state\['tx_state/0/eps'\]\.value = -1e-08: must be a finite number >= 0"),
+    "weight decay inf": (set_scalar("tx_state/1/inner/weight_decay", "inf"),
+                         r"state\['tx_state/1/inner/weight_decay'\]\.value = 'inf': must be a finite number >= 0"),
+    "lr < 0": (add_scalar("tx_state/3/lr", -1.0), r"state\['tx_state/3/lr'\]\.value = -1\.0: must be a finite number >= 0"),
+    "max_norm 0": (add_scalar("tx_state/3/max_norm", 0.0), r"state\['tx_state/3/max_norm'\]\.value = 0\.0: must be a finite number > 0"),
+    "max_norm inf": (add_scalar("tx_state/3/max_norm", "inf"), r"state\['tx_state/3/max_norm'\]\.value = 'inf': must be a finite number > 0"),
+    "momentum < 0": (add_scalar("tx_state/3/momentum", -0.5), r"state\['tx_state/3/momentum'\]\.value = -0\.5: must be a finite number >= 0"),
+    "count < 0": (set_scalar("tx_state/0/count", -1), r"state\['tx_state/0/count'\]\.value = -1: must be a non-negative integer"),
+    "count float": (set_scalar("tx_state/0/count", 2.5), r"state\['tx_state/0/count'\]\.value = 2\.5: must be an integer \(an int32 leaf\)"),
+    "count list": (set_scalar("tx_state/2/count", [2]), r"state\['tx_state/2/count'\]\.value = \[2\]: must be an integer"),
+    "count too big": (set_scalar("tx_state/2/count", 2**40), r"state\['tx_state/2/count'\]\.value = 1099511627776: must be in the int32 range"),
+    "hyperparameter dict": (set_scalar("tx_state/0/b2", {"v": 0.9}), r"state\['tx_state/0/b2'\]\.value = \{'v': 0\.9\}: must be a number"),
+    "hyperparameter string": (set_scalar("tx_state/0/b2", "0.9"), r"state\['tx_state/0/b2'\]\.value = '0\.9': must be a number"),
+    "unknown dtype": (lambda m: m["state"][0].update(dtype="float128"), r"state\['master'\]\.dtype = 'float128': must be one of"),
+    "duplicate leaf": (lambda m: m["state"].append(dict(m["state"][0])), r"state\[\d+\]\.name = 'master': must be unique"),
+    "kind": (lambda m: m["state"][0].update(kind="blob"), r"state\['master'\]\.kind = 'blob': must be one of"),
+    "scale nan": (set_at("nan", "loss_scale", "scale"), r"loss_scale\.scale = 'nan': must be a finite number > 0"),
+    "scale 0": (set_at(0, "loss_scale", "scale"), r"loss_scale\.scale = 0: must be a finite number > 0"),
+    "scale above max_scale": (set_at(2.0**30, "loss_scale", "scale"),
+                              r"loss_scale\.scale = 1073741824\.0: must be in \[min_scale, max_scale\] = \[1\.0, 16777216\.0\]"),
+    "scale below min_scale": (set_at(0.5, "loss_scale", "scale"), r"loss_scale\.scale = 0\.5: must be in \[min_scale"),
+    "good_steps < 0": (set_at(-1, "loss_scale", "good_steps"), r"loss_scale\.good_steps = -1: must be in \[0, 2147483647\]"),
+    "hysteresis float": (set_at(1.0, "loss_scale", "hysteresis"), r"loss_scale\.hysteresis = 1\.0: must be an integer"),
+    "stuck_steps bool": (set_at(True, "loss_scale", "stuck_steps"), r"loss_scale\.stuck_steps = True: must be an integer"),
+    "param dtype": (set_at("int8", "param_dtype"), r"param_dtype = 'int8': must be one of"),
+    "bytes string": (lambda m: m["files"][0].update(bytes="1234"), r"files\[0\]\.bytes = '1234': must be an integer"),
+    "bytes bool": (lambda m: m["files"][0].update(bytes=True), r"files\[0\]\.bytes = True: must be an integer"),
+    "segment float": (lambda m: m["files"][0].update(segments=[[0, 446.0]]), r"files\[0\]\.segments\[0\]\[1\] = 446\.0: must be an integer"),
+    "segment gap": (lambda m: m["files"][0].update(segments=[[0, 400]]), r"files\[\*\]\.segments = 400: .* cover all 446"),
+    "file name": (lambda m: m["files"][0].update(file="../x.safetensors"), r"files\[0\]\.file = '\.\./x\.safetensors': must be a plain"),
+    "sha256": (lambda m: m["files"][0].update(sha256="abc"), r"files\[0\]\.sha256 = 'abc': must match"),
+    "shape float": (lambda m: m["layout"]["leaves"][0].update(shape=[13.0]), r"layout\.leaves\[0\]\.shape\[0\] = 13\.0: must be an integer"),
+    "numel": (set_at(445, "layout", "numel"), r"layout\.numel = 445: must be 446"),
+    "world size": (set_at(0, "world_size"), r"world_size = 0: must be >= 1"),
+    "step": (set_at(-3, "step"), r"step = -3: must be >= 0"),
+    "extra": (set_at([1], "extra"), r"extra = \[1\]: must be a JSON object"),
+    "missing field": (lambda m: m.pop("files"), r"files is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MANIFESTS))
+def test_manifest_values_are_validated_and_named(saved, case):
+    path, *_ = saved
+    change, want = BAD_MANIFESTS[case]
+    ck.load(path, fresh_engine())  # as saved: fine
+    edit_fields(path, change)
+    with pytest.raises(ck.CheckpointError, match=r"manifest\.json: manifest field " + want):
+        ck.load(path, fresh_engine())
+
+
+@pytest.mark.parametrize("token,want", [
+    ("NaN", "non-standard JSON token NaN"),
+    ("-Infinity", "non-standard JSON token -Infinity"),
+    ("1e400", "number 1e400 is out of the float64 range"),
+])
+def test_manifest_is_parsed_as_strict_json(saved, token, want):
+    path, *_ = saved
+    edit_manifest(path, lambda text: re.sub(r'"value": 0\.999\b', f'"value": {token}', text, count=1))
+    for read in (lambda: ck.load(path, fresh_engine()), lambda: ck.read_manifest(path)):
+        with pytest.raises(ck.CheckpointError, match=rf"cannot read .*manifest\.json: {want}"):
+            read()
+
+
+def test_manifest_with_a_duplicate_key_is_refused(saved):
+    path, *_ = saved
+    edit_manifest(path, lambda text: text.replace('"format": "fzero-checkpoint",', '"format": "fzero-checkpoint", "step": 1,', 1))
+    with pytest.raises(ck.CheckpointError, match=r"cannot read .*manifest\.json: duplicate key 'step'"):
+        ck.load(path, fresh_engine())
+
+
+def test_save_refuses_what_load_would_refuse(saved):
+    path, engine, params, state, ss = saved
+    for extra, want in [({"hist": [1.0, float("nan")]}, r"extra\['hist'\]\[1\] = nan"),
+                        ({"best": {"loss": float("-inf")}}, r"extra\['best'\]\['loss'\] = -inf")]:
+        with pytest.raises(ck.CheckpointError, match=want + ": JSON has no NaN or infinity"):
+            ck.save(path, params, state, ss, engine, extra=extra)
+    adam = state.tx_state[0]._replace(b2=torch.tensor(1.5, dtype=torch.float64))
+    bad = state._replace(tx_state=(adam, *state.tx_state[1:]))
+    with pytest.raises(ck.CheckpointError, match=r"manifest field state\['tx_state/0/b2'\]\.value = 1\.5: must be in \[0, 1\)"):
+        ck.save(path, params, bad, ss, engine)
+    # nothing was committed, no snapshot left behind
+    assert entries(path) == sorted([ck.POINTER, ck.MARKER, "snapshot-*"])
+    assert ck.load(path, fresh_engine())[3] == {"epoch": 1, "seen": [1, 2]}
+
+
+# ------------------------------------------------------------------------ hyperparameters on load
+def constant_lr_engine(lr=1e-3, weight_decay=0.1, **kw):
+    tx = transforms.adamw(lr=lr, weight_decay=weight_decay, **kw)
+    return fzero.zero1(tx, param_dtype=torch.float16, loss_scale=fzero.DynamicLossScale(init_scale=16.0))
+
+
+def test_load_keeps_the_engines_hyperparameters_and_warns_about_each_difference(saved):
+    path, engine, params, state, ss = saved  # weight decay 0.1
+    tx = transforms.adamw(lr=transforms.linear_warmup(1e-3, 1e-2, 3), weight_decay=0.5, betas=(0.8, 0.999),
+                          weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p))
+    other = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=fzero.DynamicLossScale(init_scale=16.0))
+    other.init(model_params(seed=1))
+    with pytest.warns(UserWarning) as record:
+        _, s2, ss2, _ = ck.load(path, other)
+    assert len(record) == 1
+    msg = str(record[0].message)
+    assert "tx_state/1/inner/weight_decay: checkpoint 0.1, engine 0.5" in msg
+    assert "tx_state/0/b1: checkpoint 0.9, engine 0.8" in msg and "b2" not in msg and 'hyperparams="checkpoint"' in msg
+    got = transforms.get_hyperparams(s2)
+    assert float(got["weight_decay"]) == 0.5 and float(got["b1"]) == 0.8 and float(got["b2"]) == 0.999
+    # everything else comes from the checkpoint
+    view, saved_view = global_view(other, s2, ss2), global_view(engine, state, ss)
+    for name in ("tx_state/1/inner/weight_decay", "tx_state/0/b1"):
+        del view[name], saved_view[name]
+    assert_views_equal(view, saved_view)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, s3, _, _ = ck.load(path, other, hyperparams="checkpoint")
+    assert float(transforms.get_hyperparams(s3)["weight_decay"]) == 0.1 and float(transforms.get_hyperparams(s3)["b1"]) == 0.9
+    with pytest.raises(ValueError, match="hyperparams must be one of"):
+        ck.load(path, other, hyperparams="saved")
+
+
+def test_hyperparams_checkpoint_restores_values_set_during_training(tmp_path):
+    path = str(tmp_path / "ckpt")
+    engine = constant_lr_engine()
+    params, state, ss = engine.init(model_params())
+    params, state, ss = run_steps(engine, params, state, ss, range(2))
+    state = transforms.set_hyperparams(state, lr=2.5e-4)  # e.g. lowered by hand mid-run
+    ck.save(path, params, state, ss, engine)
+
+    fresh = constant_lr_engine()
+    fresh.init(model_params(seed=1))
+    _, s2, _, _ = ck.load(path, fresh, hyperparams="checkpoint")
+    assert float(transforms.get_hyperparams(s2)["lr"]) == 2.5e-4
+    with pytest.warns(UserWarning, match=r"tx_state/2/lr: checkpoint 0\.00025, engine 0\.001"):
+        _, s3, _, _ = ck.load(path, fresh)
+    assert float(transforms.get_hyperparams(s3)["lr"]) == 1e-3
+    assert int(s3.tx_state[0].count) == int(state.tx_state[0].count) == 1  # step BAD was skipped
+
+
+def test_no_warning_when_the_hyperparameters_agree(saved):
+    path, *_ = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ck.load(path, fresh_engine())

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fzero.checkpoint import read_manifest
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TRAIN = EXAMPLES / "train.py"
 STEP_KEYS = {
@@ -209,13 +211,22 @@ def test_trains_on_a_user_text_file(tmp_path):
 
 def test_save_every_and_resume_at_another_world_size_continue_exactly(tmp_path):
     """Train 16 steps on 2 ranks saving every 8; resume step 8's checkpoint on 1 rank: the
-    remaining 8 steps give the same loss curve as the straight run (within FP32 rounding)."""
+    remaining 8 steps give the same loss curve as the straight run (within FP32 rounding).
+    Resumed with other --weight-decay/--grad-clip, the run uses those and says so."""
     args = [*SMALL_GPT, "--dtype", "fp32", "--steps", "16", "--eval-every", "0"]
     straight, summary, _ = train(tmp_path / "a", *args, "--save-every", "8", nproc=2)
     ckpt = tmp_path / "a" / "ckpt" / "step-8"
-    assert (ckpt / "manifest.json").exists() and (tmp_path / "a" / "ckpt" / "step-16" / "manifest.json").exists()
-    resumed, _, proc = train(tmp_path / "b", *args, "--resume", str(ckpt))
-    assert "resumed from" in proc.stdout
+    assert read_manifest(ckpt)["extra"]["step"] == 8 and read_manifest(tmp_path / "a" / "ckpt" / "step-16")["extra"]["step"] == 16
+    resumed, summary, proc = train(tmp_path / "b", *args, "--resume", str(ckpt))
+    hyperparams = {"max_norm": 1.0, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.01}  # train.py's defaults
+    assert summary["resumed"] == {"from": str(ckpt), "step": 8, "hyperparams": hyperparams}
+    assert f"resumed from {ckpt} at step 8 with hyperparameters {json.dumps(hyperparams)}" in proc.stdout
+    assert "hyperparameters differ" not in proc.stderr
+    # hyperparameters given on resume take effect; load warns about each one that differs
+    changed, summary, proc = train(tmp_path / "c", *args, "--resume", str(ckpt), "--weight-decay", "0.5", "--grad-clip", "0.01")
+    assert summary["resumed"]["hyperparams"] == {**hyperparams, "weight_decay": 0.5, "max_norm": 0.01}
+    assert "weight_decay: checkpoint 0.01, engine 0.5" in proc.stderr and "max_norm: checkpoint 1.0, engine 0.01" in proc.stderr
+    assert changed[0]["loss"] == resumed[0]["loss"] and changed[-1]["loss"] != resumed[-1]["loss"]
     assert [r["step"] for r in resumed] == list(range(9, 17))
     for a, b in zip(straight[8:], resumed):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * a["loss"], (a, b)
