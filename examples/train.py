@@ -164,8 +164,9 @@ def main(argv=None):
     # fzero: the optimizer (optax-style transforms; lr is a float or a schedule), the engine, its state.
     warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
     lr = transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+    clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]  # global norm, all ranks
     tx = transforms.chain(
-        transforms.clip_by_global_norm(args.grad_clip),  # by the global norm over all ranks
+        *clip,
         transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay),
     )
     dtype = DTYPES[args.dtype]
@@ -259,11 +260,7 @@ def main(argv=None):
         log.close()
         plot_path = plot(records, os.path.join(out, "loss.png"), title=f"{name}, {args.dtype}, {world} rank(s)")
         print_summary(summary, log.name, plot_path, args.profile)
-    if dist.is_initialized():
-        # Leave together: a rank that tears gloo down while rank 0 is still writing the summary
-        # occasionally aborted at interpreter exit ("terminate called without an active exception").
-        dist.barrier()
-        dist.destroy_process_group()
+    fzero.shutdown()  # every rank leaves together and the process group's threads end here
 
 
 def warn_stuck(loss_fn, params, scaler_state, batch, rank):

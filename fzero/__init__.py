@@ -1,6 +1,6 @@
 """fzero: functional mixed-precision AdamW with ZeRO-1 optimizer-state sharding."""
 from . import checkpoint
-from .comm import CollectiveError
+from .comm import CollectiveError, shutdown
 from .diagnostics import nonfinite_leaves
 from .engine import Accumulated, Engine, ZeroState, zero1
 from .flat import Layout, flatten, make_layout, shard_of, tree_shard, unflatten
@@ -22,6 +22,7 @@ __all__ = [
     "nonfinite_leaves",
     "scale_loss",
     "shard_of",
+    "shutdown",
     "tree_shard",
     "unflatten",
     "zero1",

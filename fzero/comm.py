@@ -7,21 +7,36 @@ here, before they leave this module. Each collective is one call per bucket, nev
 
 ``Comm`` is the static view of a process group that the step needs: ``None`` group (or a
 world of one) means one process, and no collective is ever called.
+
+**Holding no process group.** ``Comm`` keeps the group's *name*, never the ``ProcessGroup``
+object: the functional collectives take the name, and the few object-based calls (barrier,
+``all_gather_object``) resolve it when they run. A reference held past
+``destroy_process_group()`` keeps the backend alive, and with it gloo's worker and socket
+threads, into interpreter shutdown, where a rank then intermittently aborted with
+``terminate called without an active exception``. For the same reason this module imports
+``torch._dynamo`` at once: its first import (which the first functional collective would
+otherwise trigger) takes references to every process group that exists at that moment.
+``shutdown()`` (also run at interpreter exit, see there) then frees the backend while the
+interpreter is still alive.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
 import time
+import warnings
+import weakref
 
 import torch
+import torch._dynamo  # noqa: F401 -- before any process group exists: see the module docstring
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .flat import Layout
 
-__all__ = ["Comm", "CollectiveError", "resolve_group"]
+__all__ = ["Comm", "CollectiveError", "resolve_group", "shutdown"]
 
 # torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -44,17 +59,25 @@ def resolve_group(group):
     return group
 
 
+def _group_name(group) -> str | None:
+    return None if group is None else group.group_name
+
+
+def _resolve_name(name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Comm:
-    """A process group (or none), with the rank and size read once at engine init.
+    """A process group (or none), by name, with the rank and size read once at engine init.
 
-    ``requested`` is the group as the user gave it (``None`` means "WORLD if initialized"),
-    kept to notice a world that changed since init."""
+    ``requested`` is the name of the group the user gave (``None`` means "WORLD if
+    initialized"), kept to notice a world that changed since init."""
 
-    group: object | None
+    group: str | None  # the process group's name (see the module docstring)
     rank: int
     world_size: int
-    requested: object | None = None
+    requested: str | None = None
     simulated: bool = False
 
     @classmethod
@@ -70,16 +93,28 @@ class Comm:
     def of(cls, requested) -> "Comm":
         group = resolve_group(requested)
         if group is None:
-            return cls(None, 0, 1, requested)
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), requested)
+            return cls(None, 0, 1, None)
+        _shutdown_at_exit()
+        return cls(_group_name(group), dist.get_rank(group), dist.get_world_size(group), _group_name(requested))
+
+    def process_group(self):
+        """The ``ProcessGroup`` object, resolved now (off the hot path: barriers, objects)."""
+        return _resolve_name(self.group)
 
     def check_unchanged(self) -> None:
         """Raise if the group's size changed since init (a layout for N ranks is useless at M),
-        e.g. ``group=None`` before ``init_process_group`` and a step after it."""
+        e.g. ``group=None`` before ``init_process_group`` and a step after it, or a group
+        destroyed since."""
         if self.simulated:
             return
-        group = resolve_group(self.requested)
-        now = 1 if group is None else dist.get_world_size(group)
+        if self.requested is None:
+            group = resolve_group(None)
+            now = 1 if group is None else dist.get_world_size(group)
+        else:
+            try:
+                now = dist.get_world_size(_resolve_name(self.requested))
+            except (RuntimeError, ValueError, KeyError):
+                now = 0
         if now != self.world_size:
             raise ValueError(
                 f"process group has {now} ranks but the engine was initialized for {self.world_size}; "
@@ -164,13 +199,14 @@ class Comm:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
         def timed(fn) -> float:
-            dist.barrier(group=self.group)
+            dist.barrier(group=pg)
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
             return (time.perf_counter() - t0) * 1e3
 
+        pg = self.process_group()
         rs, ag = [], []
         for i, b in enumerate(layout.buckets):
             x = torch.zeros(self.world_size * b.shard, dtype=reduce_dtype, device=device)
@@ -178,7 +214,7 @@ class Comm:
             y = torch.zeros(b.shard, dtype=gather_dtype, device=device)
             ag.append(timed(lambda: self.all_gather_bucket(y, i, layout)))
         t = torch.tensor([rs, ag], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
         return {"reduce_scatter_ms": t[0].tolist(), "all_gather_ms": t[1].tolist()}
 
     def check_same(self, what: str, table: dict[str, str]) -> None:
@@ -209,8 +245,50 @@ class Comm:
         if self.world_size == 1 or self.simulated:
             return [obj] * self.world_size
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.process_group())
         return out
+
+
+_exit_hook_registered = False
+
+
+def _shutdown_at_exit() -> None:
+    """Run ``shutdown(barrier=False)`` at interpreter exit (once per process): a script that
+    ends without ``destroy_process_group`` still frees the backend before finalization."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(shutdown, barrier=False, at_exit=True)
+
+
+def shutdown(*, barrier: bool = True, at_exit: bool = False) -> None:
+    """End this process's use of torch.distributed: wait for every rank (``barrier``), then
+    ``destroy_process_group()`` and check that the backend is really gone.
+
+    Call it on every rank at the end of a torchrun script (it is a no-op when no process
+    group is initialized). Destroying the group joins the backend's threads (gloo's workers
+    and socket loop) while the interpreter is still alive; a backend that outlives it runs
+    those threads through interpreter shutdown, where a rank could abort with ``terminate
+    called without an active exception``. The barrier keeps a rank from tearing its
+    connections down while a peer still uses them. fzero registers ``shutdown(barrier=False)``
+    to run at interpreter exit, so a script that ends without it is safe as well -- unless it
+    still holds a ``ProcessGroup`` object of its own then, which keeps the backend alive: a
+    ``RuntimeWarning`` says so."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = dist.group.WORLD
+    if barrier:
+        dist.barrier()
+    alive = weakref.ref(group)
+    del group
+    dist.destroy_process_group()
+    if alive() is not None:
+        warnings.warn(
+            "fzero.shutdown: the default process group is still referenced after destroy_process_group(), "
+            "so its backend threads outlive it; drop your references to ProcessGroup objects before exit",
+            RuntimeWarning,
+            stacklevel=3 if at_exit else 2,
+        )
 
 
 def _ranks(ranks: list[int]) -> str:

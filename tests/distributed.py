@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import fzero
+
 
 def init_group(rank: int, world_size: int, timeout: float = 60.0) -> None:
     """Join this test's gloo group (called by the harness, or by ``fn`` when ``init=False``);
@@ -40,10 +42,7 @@ def _worker(rank, world_size, tmp, fn, args, init, may_die):
         if init:
             init_group(rank, world_size)
         result = fn(rank, world_size, *args)
-        if dist.is_initialized():
-            if not may_die:
-                dist.barrier()
-            dist.destroy_process_group()
+        fzero.shutdown(barrier=not may_die)  # a no-op if fn already shut down or never joined
         torch.save(result, out + ".pt")
     except BaseException:
         with open(out + ".err", "w") as f:
