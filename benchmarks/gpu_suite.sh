@@ -20,6 +20,11 @@ fi
 run() { echo "== $*"; timeout "${LIMIT:-200}" "$PY" "$@" 2>&1 | tee -a "$OUT/suite.log"; }
 : > "$OUT/suite.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null | tee -a "$OUT/suite.log"
+# fzero needs optree >= 0.14; a bare GPU machine may not have it: carry its wheel and install it first.
+if ! "$PY" -c "import optree, sys; sys.exit(tuple(map(int, optree.__version__.split('.')[:2])) < (0, 14))" 2>/dev/null; then
+  echo "optree >= 0.14 is not importable by $PY: install its wheel (pip install --no-index optree-*.whl) and rerun" | tee -a "$OUT/suite.log"
+  exit 1
+fi
 run benchmarks/sync_check.py
 run benchmarks/step.py $STEP --json "$OUT/step.json"
 run benchmarks/plot.py "$OUT/step.json" -o "$OUT/step.png"

@@ -25,6 +25,7 @@ import atexit
 import dataclasses
 import hashlib
 import json
+import sys
 import time
 import warnings
 import weakref
@@ -273,9 +274,12 @@ def shutdown(*, barrier: bool = True, at_exit: bool = False) -> None:
     connections down while a peer still uses them. fzero registers ``shutdown(barrier=False)``
     to run at interpreter exit, so a script that ends without it is safe as well -- unless it
     still holds a ``ProcessGroup`` object of its own then, which keeps the backend alive: a
-    ``RuntimeWarning`` says so."""
+    ``RuntimeWarning`` says so. The exit hook does nothing after an uncaught exception (a
+    collective may still be in flight; destroying the group would wait for it)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    if at_exit and (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None:
+        return  # an uncaught exception ends the script: a collective may still be in flight, don't wait on it
     group = dist.group.WORLD
     if barrier:
         dist.barrier()
