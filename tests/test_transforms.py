@@ -198,7 +198,8 @@ def test_boundary_hyperparameters_are_accepted():
         T.clip_by_global_norm(1e-6),
         T.scale_by_learning_rate(0.0),
     ):
-        tx.update(tree(1), tx.init(params), params)
+        updates, _ = tx.update(tree(1), tx.init(params), params)
+        assert all(torch.isfinite(u).all() for u in optree.tree_leaves(updates))
 
 
 def all_hyperparams_state():
