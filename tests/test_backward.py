@@ -4,7 +4,6 @@ Same results as differentiating the pytree and reducing in ``step`` (bitwise), a
 ranks, bucketed or not, FP32 or FP16 reduce; the collectives really start before backward
 ends and are waited only after it; unused leaves count as zero; errors name what is wrong.
 """
-import functools
 
 import pytest
 import torch

@@ -29,7 +29,7 @@ import fzero
 import transforms
 from distributed import run_ranks
 from fzero import checkpoint as ck
-from test_engine import grads_like, odd_params
+from helpers import grads_like, odd_params
 
 K, M = 4, 3  # save after K steps, then M more per link of the chain
 BAD = 1  # every rank sees an inf at this step: skipped, and the loss scale backs off

@@ -10,7 +10,7 @@ import fzero
 import fzero.comm
 import transforms
 from distributed import run_ranks
-from test_engine import grads_like, odd_params
+from helpers import grads_like, odd_params
 
 STEPS = 3
 

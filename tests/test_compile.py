@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 import fzero
 import transforms
 from distributed import run_ranks
-from test_engine import grads_like, odd_params
+from helpers import grads_like, odd_params
 
 
 def tx():

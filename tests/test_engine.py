@@ -1,5 +1,4 @@
 """Single-process engine tests: parity with torch.optim.AdamW, loss scaling, skips, bad input."""
-import functools
 
 import optree
 import pytest
@@ -8,46 +7,7 @@ import torch
 import fzero
 import transforms
 from models import mlp
-from test_transforms import run_tx
-
-
-def odd_params(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "w": torch.randn(7, 5, generator=g),
-        "blocks": [{"g": torch.randn(13, generator=g)}, {"g": torch.randn(3, 1, 2, generator=g)}],
-        "one": torch.randn(1, generator=g),
-    }
-
-
-def grads_like(params, seed, scale=1.0):
-    g = torch.Generator().manual_seed(1000 + seed)
-    return optree.tree_map(lambda p: torch.randn(p.shape, generator=g) * scale, params)
-
-
-def torch_adamw(params, grads_list, **kw):
-    leaves, spec = optree.tree_flatten(params)
-    ps = [torch.nn.Parameter(p.clone()) for p in leaves]
-    opt = torch.optim.AdamW(ps, **kw)
-    for grads in grads_list:
-        for p, g in zip(ps, spec.flatten_up_to(grads)):
-            p.grad = g.clone()
-        opt.step()
-    return spec.unflatten([p.detach() for p in ps])
-
-
-def tree_assert_close(a, b, **kw):
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **kw)
-
-
-def tree_equal(a, b):
-    return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
-
-
-def master_tree(engine, state):
-    """The FP32 master as a pytree (world size 1: the shard is the whole buffer)."""
-    return fzero.unflatten(state.master, engine.layout)
+from helpers import grads_like, master_tree, odd_params, run_tx, torch_adamw, tree_assert_close, tree_equal
 
 
 def test_fp32_parity_with_torch_adamw():

@@ -2,12 +2,11 @@
 import optree
 import pytest
 import torch
-import torch.distributed as dist
 
 import fzero
 import transforms
 from distributed import init_group, run_ranks
-from test_engine import grads_like, odd_params, tree_assert_close
+from helpers import grads_like, odd_params
 
 STEPS = 6
 BAD_STEP = 3  # rank 1 alone sees an inf at this step

@@ -7,8 +7,7 @@ import fzero
 import transforms
 from distributed import run_ranks
 from models import mlp
-from test_engine import grads_like, odd_params
-from test_scaler import reference
+from helpers import grads_like, odd_params, reference
 
 STEPS = 200
 POLICY = fzero.DynamicLossScale(init_scale=2.0**8, growth_interval=5, hysteresis=2, min_scale=2.0**4, max_scale=2.0**12)

@@ -3,25 +3,7 @@ import torch
 
 import fzero
 from fzero.scaler import DynamicLossScale, StaticLossScale
-
-
-def reference(policy, found):
-    """The documented rule, in plain Python."""
-    scale, good, hyst = policy.init_scale, 0, policy.hysteresis
-    out = []
-    for inf in found:
-        if inf:
-            good = 0
-            hyst = max(hyst - 1, 0)
-            if hyst == 0:
-                scale = max(scale * policy.backoff_factor, policy.min_scale)
-        else:
-            good += 1
-            if good == policy.growth_interval:
-                good, hyst = 0, policy.hysteresis
-                scale = min(scale * policy.growth_factor, policy.max_scale)
-        out.append((scale, good, hyst))
-    return out
+from helpers import reference
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2, 3])

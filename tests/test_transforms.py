@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import transforms
+from helpers import run_tx
 
 
 def tree(seed=0):
@@ -68,15 +69,6 @@ def test_hyperparams_are_tensors_and_changing_lr_takes_effect():
     torch.testing.assert_close(u2["w"], 2 * u1["w"])
     with pytest.raises(KeyError, match="momentum"):
         transforms.set_hyperparams(state, momentum=0.9)
-
-
-def run_tx(tx, params, seq):
-    state = tx.init(params)
-    p = params
-    for grads in seq:
-        updates, state = tx.update(grads, state, p)
-        p = transforms.apply_updates(p, updates)
-    return p, state
 
 
 @pytest.mark.parametrize("kw", [dict(lr=0.1), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)])

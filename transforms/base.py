@@ -25,6 +25,7 @@ __all__ = [
     "MaskedState",
     "set_hyperparams",
     "get_hyperparams",
+    "iter_hyperparams",
     "hyperparam",
     "check_hyperparam",
     "apply_updates",
@@ -179,13 +180,18 @@ def _named_tuples(tree):
             yield from _named_tuples(child)
 
 
-def get_hyperparams(state) -> dict[str, torch.Tensor]:
-    """Every hyperparameter field (a 0-d tensor named in a state's ``HYPERPARAMS``) by name."""
-    out = {}
+def iter_hyperparams(state):
+    """Yield ``(name, tensor)`` for every hyperparameter field of ``state`` -- a 0-d tensor
+    named in a state NamedTuple's ``HYPERPARAMS`` -- depth first, one pair per field (two
+    transforms with an ``lr`` give two pairs)."""
     for node in _named_tuples(state):
         for name in getattr(type(node), "HYPERPARAMS", ()):
-            out[name] = getattr(node, name)
-    return out
+            yield name, getattr(node, name)
+
+
+def get_hyperparams(state) -> dict[str, torch.Tensor]:
+    """Every hyperparameter field (see ``iter_hyperparams``) by name; the last of equal names wins."""
+    return dict(iter_hyperparams(state))
 
 
 def set_hyperparams(state, **values):

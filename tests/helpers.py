@@ -1,0 +1,75 @@
+"""Helpers shared by the test modules: reference pytrees, reference optimizers, comparisons."""
+from __future__ import annotations
+
+import optree
+import torch
+
+import fzero
+import transforms
+
+
+def odd_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(7, 5, generator=g),
+        "blocks": [{"g": torch.randn(13, generator=g)}, {"g": torch.randn(3, 1, 2, generator=g)}],
+        "one": torch.randn(1, generator=g),
+    }
+
+
+def grads_like(params, seed, scale=1.0):
+    g = torch.Generator().manual_seed(1000 + seed)
+    return optree.tree_map(lambda p: torch.randn(p.shape, generator=g) * scale, params)
+
+
+def torch_adamw(params, grads_list, **kw):
+    leaves, spec = optree.tree_flatten(params)
+    ps = [torch.nn.Parameter(p.clone()) for p in leaves]
+    opt = torch.optim.AdamW(ps, **kw)
+    for grads in grads_list:
+        for p, g in zip(ps, spec.flatten_up_to(grads)):
+            p.grad = g.clone()
+        opt.step()
+    return spec.unflatten([p.detach() for p in ps])
+
+
+def tree_assert_close(a, b, **kw):
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+        torch.testing.assert_close(x, y, **kw)
+
+
+def tree_equal(a, b):
+    return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
+
+
+def master_tree(engine, state):
+    """The FP32 master as a pytree (world size 1: the shard is the whole buffer)."""
+    return fzero.unflatten(state.master, engine.layout)
+
+
+def run_tx(tx, params, seq):
+    state = tx.init(params)
+    p = params
+    for grads in seq:
+        updates, state = tx.update(grads, state, p)
+        p = transforms.apply_updates(p, updates)
+    return p, state
+
+
+def reference(policy, found):
+    """The loss-scale rule ``fzero.scaler`` documents, in plain Python."""
+    scale, good, hyst = policy.init_scale, 0, policy.hysteresis
+    out = []
+    for inf in found:
+        if inf:
+            good = 0
+            hyst = max(hyst - 1, 0)
+            if hyst == 0:
+                scale = max(scale * policy.backoff_factor, policy.min_scale)
+        else:
+            good += 1
+            if good == policy.growth_interval:
+                good, hyst = 0, policy.hysteresis
+                scale = min(scale * policy.growth_factor, policy.max_scale)
+        out.append((scale, good, hyst))
+    return out
