@@ -34,6 +34,7 @@ __all__ = [
     "shard_of",
     "tree_shard",
     "leaf_paths",
+    "concat",
 ]
 
 DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
@@ -50,6 +51,11 @@ def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
     way fzero names a leaf, in errors and in checkpoints."""
     accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
     return ["/".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors], leaves, spec
+
+
+def concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` without the copy when there is one part (one bucket: a view)."""
+    return concat(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +182,7 @@ def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> t
 
     Padding is zero, so it never contributes to sums or norms."""
     buckets = flatten_buckets(tree, layout, dtype=dtype)
-    return buckets[0] if len(buckets) == 1 else torch.cat(buckets)
+    return concat(buckets)
 
 
 def split_buckets(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
@@ -203,7 +209,7 @@ def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None) -> Any:
 def shard_of(flat: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     """Rank ``rank``'s ``[S]`` shard of a full flat buffer (a view when there is one bucket)."""
     parts = [flat[a:b] for a, b in layout.shard_ranges(rank)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return concat(parts)
 
 
 def tree_shard(tree: Any, layout: Layout, rank: int, *, dtype: torch.dtype) -> torch.Tensor:
