@@ -55,7 +55,7 @@ def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
 
 def concat(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)`` without the copy when there is one part (one bucket: a view)."""
-    return concat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclasses.dataclass(frozen=True)
