@@ -27,6 +27,7 @@ import math
 import os
 import time
 
+import optree
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -57,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, sequences: %(default)s")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, warmup then cosine to 1/10: %(default)s")
     p.add_argument("--warmup", type=int, default=30, help="learning-rate warmup steps: %(default)s")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="%(default)s")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, matrices only: %(default)s")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm, inf for none: %(default)s")
     p.add_argument("--eval-every", type=int, default=50, help="steps between val losses, and at the end: %(default)s")
     p.add_argument("--eval-batches", type=int, default=4, help="fixed val batches per evaluation: %(default)s")
@@ -126,6 +127,23 @@ def build(args, device):
     return TeacherRegression(dims), mlp.init(seed, dims, device=device), mlp.loss, 1
 
 
+# ---------------------------------------------------------------- the optimizer
+def decays(params):
+    """Which leaves get weight decay: matrices (weights, embeddings), not biases or norm
+    gains -- nanoGPT's rule, ``ndim >= 2``."""
+    return optree.tree_map(lambda x: x.ndim >= 2, params)
+
+
+def make_optimizer(args) -> transforms.GradientTransformation:
+    """Clip by the global grad norm (over all ranks), then AdamW with a warmup-cosine learning
+    rate (to 1/10 of --lr) and decoupled weight decay on the matrices only (``decays``)."""
+    warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
+    lr = transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+    clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
+    adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays)
+    return transforms.chain(*clip, adamw)
+
+
 # ---------------------------------------------------------------- the step
 def train_step(engine, loss_fn, params, state, scaler_state, batch):
     """One optimizer step with no host sync. Also returns this rank's (unscaled) loss and the
@@ -161,14 +179,8 @@ def main(argv=None):
 
     data, params_fp32, loss_fn, seq_items = build(args, device)
 
-    # fzero: the optimizer (optax-style transforms; lr is a float or a schedule), the engine, its state.
-    warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
-    lr = transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
-    clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]  # global norm, all ranks
-    tx = transforms.chain(
-        *clip,
-        transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay),
-    )
+    # fzero: the optimizer (optax-style transforms), the engine, its state.
+    tx = make_optimizer(args)
     dtype = DTYPES[args.dtype]
     loss_scale = fzero.DynamicLossScale() if dtype == torch.float16 else None  # BF16 and FP32 need none
     bucket_bytes = int(args.bucket_mb * 2**20) or None

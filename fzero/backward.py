@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .flat import Layout
+from .flat import Layout, concat
 
 __all__ = ["grad_and_value"]
 
@@ -97,6 +97,6 @@ def grad_and_value(
         for i in sorted(missing[k]):
             arrive(i, None)
     parts = [wait(x, f"reduce_scatter of grads (bucket {k} of {len(started)})") for k, x in enumerate(started)]
-    shard = parts[0] if len(parts) == 1 else torch.cat(parts)
+    shard = concat(parts)
     value = (loss.detach(), out[1]) if has_aux else loss.detach()
     return shard, value

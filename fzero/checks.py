@@ -11,20 +11,71 @@ import optree
 import torch
 
 from .flat import Layout, leaf_paths
+from .scaler import DynamicLossScale, LossScaleState, StaticLossScale
+
+__all__ = [
+    "PARAM_DTYPES",
+    "check_param_dtype",
+    "check_options",
+    "check_params",
+    "check_like_layout",
+    "check_flat",
+    "check_state",
+    "first_difference",
+]
+
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
-
-
-__all__ = ["PARAM_DTYPES", "check_param_dtype", "check_params", "check_like_layout", "check_flat"]
-
-PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_param_dtype(dtype) -> torch.dtype:
     if dtype not in PARAM_DTYPES:
         raise TypeError(f"param_dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype!r}")
     return dtype
+
+
+def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, bucket_bytes, chunk_numel) -> None:
+    """The options of ``fzero.zero1`` besides the param dtype; errors name the option."""
+    if not isinstance(loss_scale, (DynamicLossScale, StaticLossScale)):
+        raise TypeError(f"loss_scale must be DynamicLossScale, StaticLossScale or None, got {loss_scale!r}")
+    if reduce_dtype not in (torch.float32, param_dtype):
+        raise TypeError(f"reduce_dtype must be torch.float32 or the param_dtype {param_dtype}, got {reduce_dtype}")
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage}")
+    if offload not in (None, "cpu"):
+        raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+    for name, value in (("bucket_bytes", bucket_bytes), ("chunk_numel", chunk_numel)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive or None, got {value}")
+
+
+def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: int, tx_leaves, tx_spec) -> None:
+    """``state``/``scaler_state`` must be what this engine's ``init``/``step`` returned: a
+    ``state_type`` whose master is the ``[shard_numel]`` FP32 shard and whose transform state
+    has the ``tx_leaves`` ``(path, shape, dtype)`` and structure ``tx_spec`` that ``init`` built
+    (static facts only: no host sync, nothing traced)."""
+    if not isinstance(state, state_type):
+        raise TypeError(f"state must be the {state_type.__name__} from this engine's init/step, got {type(state).__name__}")
+    if not isinstance(scaler_state, LossScaleState):
+        raise TypeError(f"scaler_state must be the LossScaleState from this engine's init/step, "
+                        f"got {type(scaler_state).__name__}")
+    m = state.master
+    if not isinstance(m, torch.Tensor) or m.shape != (shard_numel,) or m.dtype != torch.float32:
+        raise ValueError(f"state.master is {_describe(m)}, this engine's shard is ({shard_numel},) torch.float32: "
+                         "the state of another engine (another model, world size or layout)?")
+    paths, leaves, spec = leaf_paths(state.tx_state)
+    # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked.
+    if len(leaves) != len(tx_leaves) or (not _compiling() and spec != tx_spec):
+        raise ValueError(f"state.tx_state is {spec}, this engine's transform built {tx_spec}: "
+                         "the state of another engine (another transform)?")
+    if any(not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype
+           for x, (_, shape, dtype) in zip(leaves, tx_leaves)):
+        diff = first_difference([(p, _describe(x)) for p, x in zip(paths, leaves)],
+                                [(p, f"shape {tuple(shape)} {dtype}") for p, shape, dtype in tx_leaves])
+        raise ValueError(f"state.tx_state {diff}: the state of another engine (another transform or layout)?")
 
 
 def check_params(params: Any) -> None:
@@ -43,14 +94,22 @@ def check_params(params: Any) -> None:
             raise ValueError(f"params leaf {path!r} is on {leaf.device}, other leaves on {device}")
 
 
-def _first_structure_difference(tree: Any, layout: Layout) -> str:
-    paths, _, _ = leaf_paths(tree)
-    for i, (want, got) in enumerate(zip(layout.paths, paths)):
-        if want != got:
-            return f"leaf {i} is {got!r}, expected {want!r}"
-    if len(paths) != len(layout.paths):
-        return f"{len(paths)} leaves, expected {len(layout.paths)}"
-    return "the container types differ"
+def first_difference(got: list[tuple[str, str]], want: list[tuple[str, str]]) -> str | None:
+    """The first difference between two lists of ``(leaf path, description)``, worded for an
+    error ("leaf 2 is 'b', expected 'w'"; "leaf 'mu' is shape (3,), expected shape (4,)"; "2
+    leaves, expected 3"), or ``None``: the one way fzero names a mismatched leaf."""
+    for i, ((gp, gd), (wp, wd)) in enumerate(zip(got, want)):
+        if gp != wp:
+            return f"leaf {i} is {gp!r}, expected {wp!r}"
+        if gd != wd:
+            return f"leaf {gp!r} is {gd}, expected {wd}"
+    if len(got) != len(want):
+        return f"{len(got)} leaves, expected {len(want)}"
+    return None
+
+
+def _describe(x: Any) -> str:
+    return f"shape {tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def check_like_layout(
@@ -63,7 +122,9 @@ def check_like_layout(
     # Dynamo cannot trace a PyTreeSpec comparison; a compiled step still checks the leaf count
     # and every shape below, and guards on the structure it was traced with.
     if len(leaves) != len(layout.paths) or (not _compiling() and optree.tree_structure(tree) != layout.treespec):
-        raise ValueError(f"{what} structure differs from params: {_first_structure_difference(tree, layout)}")
+        paths = leaf_paths(tree)[0]
+        diff = first_difference([(p, "") for p in paths], [(p, "") for p in layout.paths])
+        raise ValueError(f"{what} structure differs from params: {diff or 'the container types differ'}")
     for path, shape, leaf in zip(layout.paths, layout.shapes, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{what} leaf {path!r} is a {type(leaf).__name__}, not a torch.Tensor")

@@ -5,8 +5,12 @@ they return new tensors instead of mutating, so the step stays pure and ``torch.
 traces them into the graph (``fullgraph=True``). In eager mode their results are waited on
 here, before they leave this module. Each collective is one call per bucket, never per leaf.
 
-``Comm`` is the static view of a process group that the step needs: ``None`` group (or a
-world of one) means one process, and no collective is ever called.
+Two communicators with one interface: ``Comm``, the static view of a process group that the
+step needs (``None`` group, or a world of one, means one process: no collective is ever
+called), and ``SimulatedComm``, any rank of any world size on one device with no process group
+(for memory accounting). The engine takes either (``zero1(group=...)``), and so can a test's
+recording subclass. The averaging lives here too: ``reduce_scatter_mean`` and ``start_mean``
+hide FSDP's pre/post split of the 1/N behind ``mean_factor``.
 
 **Holding no process group.** ``Comm`` keeps the group's *name*, never the ``ProcessGroup``
 object: the functional collectives take the name, and the few object-based calls (barrier,
@@ -29,15 +33,16 @@ import sys
 import time
 import warnings
 import weakref
+from typing import ClassVar
 
 import torch
 import torch._dynamo  # noqa: F401 -- before any process group exists: see the module docstring
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .flat import Layout
+from .flat import Layout, concat
 
-__all__ = ["Comm", "CollectiveError", "resolve_group", "shutdown"]
+__all__ = ["Comm", "SimulatedComm", "CollectiveError", "resolve_group", "shutdown", "predivide_factor"]
 
 # torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
@@ -68,8 +73,77 @@ def _resolve_name(name: str):
     return dist.distributed_c10d._resolve_process_group(name)
 
 
+class _Collectives:
+    """What every communicator shares, built on its three primitives (``reduce_scatter_bucket``,
+    ``all_gather_bucket``, ``all_reduce_sum``) and ``all_gather_object``: the averaging
+    reduce-scatter, the gather of a whole shard, the cross-rank agreement check."""
+
+    rank: int
+    world_size: int
+    simulated: ClassVar[bool] = False
+
+    def mean_factor(self, dtype: torch.dtype) -> float:
+        """``f`` with ``mean over ranks = f * (what reduce_scatter_mean returns)`` for a sum in
+        ``dtype``: ``1/N`` for FP32; ``pre/N`` for a low-precision sum, whose inputs are first
+        divided by ``pre`` (FSDP's split of the 1/N, see ``predivide_factor``)."""
+        return self._pre(dtype) / self.world_size
+
+    def _pre(self, dtype: torch.dtype) -> float:
+        low = self.world_size > 1 and dtype != torch.float32
+        return predivide_factor(self.world_size) if low else 1.0
+
+    def start_mean(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+        """Bucket ``i``'s ``[N*S_b]`` grads (a buffer the caller gives up: pre-divided in place)
+        -> this rank's ``[S_b]`` partial mean; scale by ``mean_factor(x.dtype)`` to finish it.
+        ``wait=False``: returns while the collective is in flight (see ``wait``)."""
+        pre = self._pre(x.dtype)
+        return self.reduce_scatter_bucket(x if pre == 1.0 else x.div_(pre), i, layout, wait=wait)
+
+    def reduce_scatter_mean(self, buckets: list[torch.Tensor], layout: Layout) -> tuple[torch.Tensor, float]:
+        """Per-bucket ``[N*S_b]`` grads of this rank (not modified) -> ``(partial, factor)``:
+        ``partial * factor`` is this rank's ``[S]`` shard of their mean over ranks. The factor is
+        left to the caller so that it joins the step's one FP32 multiply (unscale, micro-batches).
+
+        Summing N scaled FP16 grads can overflow by itself: an FP32 sum cannot; a sum in FP16/BF16
+        divides its inputs by ``pre`` ~ sqrt(N) first (``predivide_factor``)."""
+        pre = self._pre(buckets[0].dtype)
+        parts = [self.reduce_scatter_bucket(x if pre == 1.0 else x / pre, i, layout) for i, x in enumerate(buckets)]
+        return concat(parts), pre / self.world_size
+
+    def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""
+        if self.world_size == 1:
+            return shard
+        parts, pos = [], 0
+        for i, b in enumerate(layout.buckets):
+            parts.append(self.all_gather_bucket(shard[pos : pos + b.shard], i, layout))
+            pos += b.shard
+        return concat(parts)
+
+    def check_same(self, what: str, table: dict[str, str]) -> None:
+        """Raise the same ``ValueError`` on every rank unless all ranks pass an equal ``table``
+        (setting -> printable value); the message names each differing setting with its value
+        on each rank. Off the hot path (``init``): one all-gather of a digest, and only on a
+        mismatch a second one of the tables. No other collective runs before it returns, so
+        ranks that disagree (e.g. on a dtype) never meet in a collective that would mix them."""
+        digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
+        if len(set(self.all_gather_object(digest))) == 1:
+            return
+        tables = self.all_gather_object(table)
+        keys = list(dict.fromkeys(k for t in tables for k in t))
+        diffs = []
+        for key in keys:
+            ranks_of: dict[str, list[int]] = {}
+            for rank, t in enumerate(tables):
+                ranks_of.setdefault(t.get(key, "absent"), []).append(rank)
+            if len(ranks_of) > 1:
+                diffs.append(f"{key} is " + " but ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items()))
+        more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
+        raise ValueError(f"{what} differs across ranks: " + "; ".join(diffs[:4]) + more)
+
+
 @dataclasses.dataclass(frozen=True)
-class Comm:
+class Comm(_Collectives):
     """A process group (or none), by name, with the rank and size read once at engine init.
 
     ``requested`` is the name of the group the user gave (``None`` means "WORLD if
@@ -79,19 +153,11 @@ class Comm:
     rank: int
     world_size: int
     requested: str | None = None
-    simulated: bool = False
-
-    @classmethod
-    def simulate(cls, rank: int, world_size: int) -> "Comm":
-        """Rank ``rank`` of ``world_size`` ranks that all hold identical tensors, without a
-        process group: sums are ``world_size * x`` and gathers repeat this rank's shard. The
-        buffers have the true sizes, so one device measures any rank of any world size."""
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        return cls(None, rank, world_size, None, True)
 
     @classmethod
     def of(cls, requested) -> "Comm":
+        """The communicator of ``requested`` (a ProcessGroup; ``None``: WORLD if initialized,
+        else one process)."""
         group = resolve_group(requested)
         if group is None:
             return cls(None, 0, 1, None)
@@ -106,8 +172,6 @@ class Comm:
         """Raise if the group's size changed since init (a layout for N ranks is useless at M),
         e.g. ``group=None`` before ``init_process_group`` and a step after it, or a group
         destroyed since."""
-        if self.simulated:
-            return
         if self.requested is None:
             group = resolve_group(None)
             now = 1 if group is None else dist.get_world_size(group)
@@ -148,54 +212,39 @@ class Comm:
 
         ``wait=False`` returns while the collective is in flight (an ``AsyncCollectiveTensor``
         that waits when first used, or explicitly via ``wait``): how backward overlaps it."""
-        b = layout.buckets[i]
         if self.world_size == 1:
             return x
-        if self.simulated:
-            return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.world_size
         what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
         return self._call(what, _reduce_scatter, x, "sum", 0, self.group, wait=wait)
-
-    def reduce_scatter_sum(self, buckets: list[torch.Tensor], layout: Layout) -> torch.Tensor:
-        """Per-bucket ``[N*S_b]`` buffers -> this rank's ``[S]`` shard of the elementwise sum
-        over ranks (its slice of every bucket, concatenated)."""
-        parts = [self.reduce_scatter_bucket(x, i, layout) for i, x in enumerate(buckets)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         """This rank's ``[S_b]`` slice of bucket ``i`` -> the bucket's ``[N*S_b]`` buffer."""
         if self.world_size == 1:
             return x
-        if self.simulated:
-            return x.repeat(self.world_size)
         b = layout.buckets[i]
         what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
         return self._call(what, _all_gather, x, 0, self.group)
-
-    def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""
-        if self.world_size == 1:
-            return shard
-        parts, pos = [], 0
-        for i, b in enumerate(layout.buckets):
-            parts.append(self.all_gather_bucket(shard[pos : pos + b.shard], i, layout))
-            pos += b.shard
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks of a small tensor."""
         if self.world_size == 1:
             return x
-        if self.simulated:
-            return x * self.world_size
         return self._call(lambda: "all_reduce of the grad norm and found_inf", _all_reduce, x, "sum", self.group)
+
+    def all_gather_object(self, obj) -> list:
+        """Off the hot path only (init, errors): pickles ``obj`` to every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.process_group())
+        return out
 
     def time_buckets(self, layout: Layout, reduce_dtype: torch.dtype, gather_dtype: torch.dtype,
                      device: torch.device) -> dict[str, list[float]]:
         """Milliseconds of each bucket's reduce-scatter and all-gather, each run alone after a
         barrier on zero buffers of the step's sizes and dtypes, the max over ranks (the same on
         every rank). Off the hot path: it syncs the host, for a metrics log every few steps."""
-        if self.world_size == 1 or self.simulated:
+        if self.world_size == 1:
             return {"reduce_scatter_ms": [], "all_gather_ms": []}
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -218,36 +267,43 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
         return {"reduce_scatter_ms": t[0].tolist(), "all_gather_ms": t[1].tolist()}
 
-    def check_same(self, what: str, table: dict[str, str]) -> None:
-        """Raise the same ``ValueError`` on every rank unless all ranks pass an equal ``table``
-        (setting -> printable value); the message names each differing setting with its value
-        on each rank. Off the hot path (``init``): one all-gather of a digest, and only on a
-        mismatch a second one of the tables. No other collective runs before it returns, so
-        ranks that disagree (e.g. on a dtype) never meet in a collective that would mix them."""
-        if self.world_size == 1 or self.simulated:
-            return
-        digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
-        if len(set(self.all_gather_object(digest))) == 1:
-            return
-        tables = self.all_gather_object(table)
-        keys = list(dict.fromkeys(k for t in tables for k in t))
-        diffs = []
-        for key in keys:
-            ranks_of: dict[str, list[int]] = {}
-            for rank, t in enumerate(tables):
-                ranks_of.setdefault(t.get(key, "absent"), []).append(rank)
-            if len(ranks_of) > 1:
-                diffs.append(f"{key} is " + " but ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items()))
-        more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
-        raise ValueError(f"{what} differs across ranks: " + "; ".join(diffs[:4]) + more)
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedComm(_Collectives):
+    """Rank ``rank`` of ``world_size`` ranks that all hold identical tensors, with no process
+    group: sums are ``world_size * x``, gathers repeat this rank's shard. The buffers have the
+    true sizes, so one device measures any rank of any world size (``zero1(group=
+    SimulatedComm(0, 64))``, or its shorthand ``zero1(simulate=(0, 64))``)."""
+
+    rank: int
+    world_size: int
+    simulated: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
+
+    def check_unchanged(self) -> None:
+        """A simulated world never changes."""
+
+    def wait(self, x: torch.Tensor, what: str = "collective") -> torch.Tensor:
+        return x
+
+    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+        b = layout.buckets[i]
+        return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.world_size
+
+    def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        return x.repeat(self.world_size)
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.world_size
 
     def all_gather_object(self, obj) -> list:
-        """Off the hot path only (init, errors): pickles ``obj`` to every rank."""
-        if self.world_size == 1 or self.simulated:
-            return [obj] * self.world_size
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.process_group())
-        return out
+        return [obj] * self.world_size
+
+    def time_buckets(self, layout, reduce_dtype, gather_dtype, device) -> dict[str, list[float]]:
+        return {"reduce_scatter_ms": [], "all_gather_ms": []}
 
 
 _exit_hook_registered = False

@@ -35,6 +35,8 @@ __all__ = [
     "tree_shard",
     "leaf_paths",
     "concat",
+    "per_leaf_shard",
+    "flat_buffer",
 ]
 
 DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
@@ -99,6 +101,41 @@ class Layout:
     def shard_ranges(self, rank: int) -> list[tuple[int, int]]:
         """``[(start, stop), ...]`` flat ranges rank owns, one per bucket, in shard order."""
         return [(b.start + rank * b.shard, b.start + (rank + 1) * b.shard) for b in self.buckets]
+
+    @property
+    def global_offsets(self) -> tuple[int, ...]:
+        """Where each leaf starts in the *global* ``[P]`` vector: the leaves concatenated in
+        tree order, without padding (coordinates that do not depend on the world size, the
+        alignment or the bucketing)."""
+        out, g = [], 0
+        for shape in self.shapes:
+            out.append(g)
+            g += math.prod(shape)
+        return tuple(out)
+
+    def owned(self, rank: int) -> list[tuple[int, int, int]]:
+        """The real elements rank ``rank`` owns, in global coordinates: ``[(g0, g1, pos), ...]``,
+        sorted by ``g0``, adjacent ranges merged, each saying that ``global[g0:g1]`` is
+        ``shard[pos : pos + g1 - g0]`` of the rank's ``[S]`` shard. Padding is in no range;
+        the ranges of ranks ``0 .. world_size-1`` tile ``[0, P)``. Any bucketing, any alignment."""
+        starts = self.global_offsets
+        pieces = []
+        pos = 0  # where this bucket's slice starts in the rank's shard
+        for bucket, (lo, hi) in zip(self.buckets, self.shard_ranges(rank)):
+            for i in bucket.leaves:
+                a = self.offsets[i]
+                s, e = max(a, lo), min(a + math.prod(self.shapes[i]), hi)
+                if s < e:
+                    pieces.append((starts[i] + s - a, starts[i] + e - a, pos + s - lo))
+            pos += hi - lo
+        pieces.sort()
+        merged: list[tuple[int, int, int]] = []
+        for g0, g1, p in pieces:
+            if merged and merged[-1][1] == g0 and merged[-1][2] + g0 - merged[-1][0] == p:
+                merged[-1] = (merged[-1][0], g1, merged[-1][2])
+            else:
+                merged.append((g0, g1, p))
+        return merged
 
     def table(self) -> dict[str, str]:
         """Everything about the layout that must agree across ranks, as printable entries
@@ -222,12 +259,48 @@ def tree_shard(tree: Any, layout: Layout, rank: int, *, dtype: torch.dtype) -> t
     leaves = layout.treespec.flatten_up_to(tree)
     device = leaves[0].device if leaves else None
     out = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
-    pos = 0
-    for bucket, (lo, hi) in zip(layout.buckets, layout.shard_ranges(rank)):
-        for i in bucket.leaves:
-            a, b = layout.offsets[i], layout.offsets[i] + math.prod(layout.shapes[i])
-            s, e = max(a, lo), min(b, hi)
-            if s < e:
-                out[pos + s - lo : pos + e - lo].copy_(leaves[i].reshape(-1)[s - a : e - a])
-        pos += hi - lo
+    starts = layout.global_offsets
+    ends = [g + math.prod(s) for g, s in zip(starts, layout.shapes)]
+    i = 0  # the leaf holding global element g0 (ranges are sorted: i only grows)
+    for g0, g1, pos in layout.owned(rank):
+        while g0 < g1:
+            while ends[i] <= g0:
+                i += 1
+            e = min(g1, ends[i])
+            out[pos : pos + e - g0].copy_(leaves[i].reshape(-1)[g0 - starts[i] : e - starts[i]])
+            pos, g0 = pos + e - g0, e
     return out
+
+
+def per_leaf_shard(values: Any, layout: Layout, rank: int, *, dtype: torch.dtype, device) -> torch.Tensor:
+    """Rank ``rank``'s ``[S]`` shard of a per-leaf setting: ``values`` is a pytree with the
+    layout's structure whose leaves are scalars or tensors broadcastable to each leaf (e.g. a
+    weight-decay mask of bools), in ``dtype`` on ``device``. Errors name the leaf."""
+    try:
+        leaves = layout.treespec.flatten_up_to(values)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"mask structure differs from params: {e}") from None
+    full = []
+    for path, shape, v in zip(layout.paths, layout.shapes, leaves):
+        v = torch.as_tensor(v, dtype=dtype, device=device)
+        if v.ndim and v.shape != shape:
+            raise ValueError(f"mask leaf {path!r} has shape {tuple(v.shape)}, expected {tuple(shape)} or a bool")
+        full.append(v.expand(shape))
+    return tree_shard(layout.treespec.unflatten(full), layout, rank, dtype=dtype)
+
+
+def flat_buffer(leaves: list[torch.Tensor], layout: Layout) -> torch.Tensor:
+    """The ``[padded_numel]`` buffer that ``leaves`` (the params' leaves, checked against the
+    layout) are views of, at their layout offsets; ``ValueError`` if they are not."""
+    storage = leaves[0].untyped_storage()
+    start = leaves[0].storage_offset() - layout.offsets[0]
+    if start < 0 or storage.nbytes() < (start + layout.padded_numel) * leaves[0].element_size() or any(
+        x.untyped_storage().data_ptr() != storage.data_ptr() or x.storage_offset() != start + o
+        for x, o in zip(leaves, layout.offsets)
+    ):
+        raise ValueError("params are not views of one flat buffer of this engine's layout (pass what init/step returned)")
+    base = leaves[0]._base
+    if base is not None and base.shape == (layout.padded_numel,) and base.storage_offset() == start:
+        return base
+    # e.g. a compiled step's output: the leaves share the buffer but carry no view link
+    return leaves[0].new_empty(0).set_(storage, start, (layout.padded_numel,))

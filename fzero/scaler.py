@@ -92,8 +92,18 @@ def _stuck_steps(state: LossScaleState, found_inf: torch.Tensor, min_scale: floa
     return torch.where(at_min, state.stuck_steps + 1, torch.zeros_like(state.stuck_steps))
 
 
+class _Policy:
+    """What every policy shares: the stuck-scale signal (see the module docstring)."""
+
+    stuck_after: int
+
+    def stuck(self, state: LossScaleState) -> torch.Tensor:
+        """0-d bool: ``stuck_after`` consecutive overflowing steps at the policy's smallest scale."""
+        return state.stuck_steps >= self.stuck_after
+
+
 @dataclasses.dataclass(frozen=True)
-class DynamicLossScale:
+class DynamicLossScale(_Policy):
     """Grow the scale after ``growth_interval`` clean steps, back off on overflow."""
 
     init_scale: float = 2.0**16
@@ -125,10 +135,6 @@ class DynamicLossScale:
     def init(self, device=None) -> LossScaleState:
         return _state(self.init_scale, self.hysteresis, device)
 
-    def stuck(self, state: LossScaleState) -> torch.Tensor:
-        """0-d bool: ``stuck_after`` consecutive overflows at ``min_scale``."""
-        return state.stuck_steps >= self.stuck_after
-
     def update(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
         scale, good, hyst, _ = state
         hyst_after_inf = (hyst - 1).clamp(min=0)
@@ -151,7 +157,7 @@ class DynamicLossScale:
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticLossScale:
+class StaticLossScale(_Policy):
     """A fixed scale; overflowing steps are still skipped, the scale never changes."""
 
     scale: float
@@ -164,10 +170,6 @@ class StaticLossScale:
 
     def init(self, device=None) -> LossScaleState:
         return _state(self.scale, 1, device)
-
-    def stuck(self, state: LossScaleState) -> torch.Tensor:
-        """0-d bool: ``stuck_after`` consecutive overflowing steps."""
-        return state.stuck_steps >= self.stuck_after
 
     def update(self, state: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
         return state._replace(stuck_steps=_stuck_steps(state, found_inf, self.scale))

@@ -1,10 +1,14 @@
 """Helpers shared by the test modules: reference pytrees, reference optimizers, comparisons."""
 from __future__ import annotations
 
+import dataclasses
+
 import optree
 import torch
+import torch.distributed._functional_collectives as funcol
 
 import fzero
+import fzero.comm
 import transforms
 
 
@@ -73,3 +77,44 @@ def reference(policy, found):
                 scale = min(scale * policy.growth_factor, policy.max_scale)
         out.append((scale, good, hyst))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingComm(fzero.comm.Comm):
+    """A real communicator (``RecordingComm.of(group)``, then ``zero1(group=...)``) that logs
+    every collective it runs across ranks as ``(name, bytes)``: ``"reduce_scatter"`` (input
+    bytes), ``"all_gather"`` (output bytes), ``"all_reduce"``, and ``"wait"`` (0) for each wait
+    on an in-flight collective."""
+
+    events: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    def _log(self, name: str, x: torch.Tensor) -> None:
+        if self.world_size > 1:
+            self.events.append((name, x.numel() * x.element_size()))
+
+    def reduce_scatter_bucket(self, x, i, layout, *, wait=True):
+        self._log("reduce_scatter", x)
+        return super().reduce_scatter_bucket(x, i, layout, wait=wait)
+
+    def all_gather_bucket(self, x, i, layout):
+        y = super().all_gather_bucket(x, i, layout)
+        self._log("all_gather", y)
+        return y
+
+    def all_reduce_sum(self, x):
+        self._log("all_reduce", x)
+        return super().all_reduce_sum(x)
+
+    def wait(self, x, what="collective"):
+        if isinstance(x, funcol.AsyncCollectiveTensor):
+            self.events.append(("wait", 0))
+        return super().wait(x, what)
+
+    def counts(self) -> dict[str, list[int]]:
+        """``{name: [calls, bytes]}`` of the collectives logged so far."""
+        out = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}
+        for name, nbytes in self.events:
+            if name in out:
+                out[name][0] += 1
+                out[name][1] += nbytes
+        return out

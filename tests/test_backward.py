@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import fzero
-import fzero.comm
 import transforms
 from distributed import run_ranks
+from helpers import RecordingComm
 from models import mlp
 
 DIMS = (8, 32, 32, 4)
@@ -19,13 +19,13 @@ STEPS = 3
 SCALE = 8.0
 
 
-def setup(param_dtype, reduce_dtype=torch.float32, bucket_bytes=None, unused=False):
+def setup(param_dtype, reduce_dtype=torch.float32, bucket_bytes=None, unused=False, group=None):
     p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
     if unused:  # a leaf the loss never touches (its own bucket when bucketed: the last leaf)
         p0["unused"] = torch.ones(5)
     loss_scale = fzero.StaticLossScale(SCALE) if param_dtype == torch.float16 else None
     engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=param_dtype,
-                         loss_scale=loss_scale, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes)
+                         loss_scale=loss_scale, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes, group=group)
     return engine, *engine.init(p0)
 
 
@@ -99,25 +99,14 @@ def test_ranks_bitwise_equal_to_pytree_grads(world_size):
 
 def collective_order(rank, world_size):
     """Log reduce-scatter starts, waits, and a point late in backward (the first layer's input grad)."""
-    events = []
-    rs, wait = fzero.comm._reduce_scatter, fzero.comm._wait
-
-    def logged_rs(x, *a, **k):
-        events.append("start")
-        return rs(x, *a, **k)
-
-    def logged_wait(x):
-        if isinstance(x, fzero.comm.funcol.AsyncCollectiveTensor):
-            events.append("wait")
-        return wait(x)
-
-    fzero.comm._reduce_scatter, fzero.comm._wait = logged_rs, logged_wait
-    engine, params, state, ss = setup(torch.float32, bucket_bytes=4 * 100)  # one bucket per layer
+    comm = RecordingComm.of(None)
+    events = comm.events
+    engine, params, state, ss = setup(torch.float32, bucket_bytes=4 * 100, group=comm)  # one bucket per layer
 
     def loss(p, b):
         x, y = b
         h = x @ p["layers"][0]["w"] + p["layers"][0]["b"]
-        h.register_hook(lambda g: events.append("late"))  # fires once only layer 0's grads are left
+        h.register_hook(lambda g: events.append(("late", 0)))  # fires once only layer 0's grads are left
         for layer in p["layers"][1:]:
             h = torch.nn.functional.gelu(h) @ layer["w"] + layer["b"]
         return torch.nn.functional.mse_loss(h, y)
@@ -126,7 +115,7 @@ def collective_order(rank, world_size):
     for overlap in (True, False):
         events.clear()
         engine.grad_and_value(loss, overlap=overlap)(params, batch(rank, 0))
-        out[overlap] = list(events)
+        out[overlap] = [name.replace("reduce_scatter", "start") for name, _ in events]
     return out, len(engine.layout.buckets)
 
 

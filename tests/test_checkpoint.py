@@ -11,7 +11,6 @@ spawned processes save and load the same path over and over.
 """
 import glob
 import hashlib
-import inspect
 import json
 import os
 import re
@@ -29,12 +28,12 @@ import fzero
 import transforms
 from distributed import run_ranks
 from fzero import checkpoint as ck
+from fzero.checkpoint import commit, reshard
 from helpers import grads_like, odd_params
 
 K, M = 4, 3  # save after K steps, then M more per link of the chain
 BAD = 1  # every rank sees an inf at this step: skipped, and the loss scale backs off
-# several buckets (the engine's keyword has been bucket_numel, then bucket_bytes)
-BUCKETS = {"bucket_bytes": 24} if "bucket_bytes" in inspect.signature(fzero.zero1).parameters else {"bucket_numel": 12}
+BUCKETS = {"bucket_bytes": 24}  # several buckets
 
 
 def model_params(seed=0, z_shape=(17, 23)):
@@ -106,7 +105,7 @@ def load_error(path, engine):
 
 def snapshot_dir(path):
     """The snapshot directory the checkpoint at ``path`` points to."""
-    with open(os.path.join(path, ck.POINTER)) as f:
+    with open(os.path.join(path, commit.POINTER)) as f:
         return os.path.join(path, json.load(f)["snapshot"])
 
 
@@ -119,7 +118,7 @@ def entries(path):
     return sorted(re.sub(r"^snapshot-[0-9a-f]{32}$", "snapshot-*", name) for name in os.listdir(path))
 
 
-COMMITTED = sorted([ck.POINTER, ck.MARKER, "snapshot-*", "snapshot-*"])  # after two saves or more
+COMMITTED = sorted([commit.POINTER, commit.MARKER, "snapshot-*", "snapshot-*"])  # after two saves or more
 
 
 def flip_byte(file, from_end=5):
@@ -341,7 +340,7 @@ def test_crash_at_any_point_leaves_a_loadable_checkpoint(tmp_path, point):
     with pytest.raises(Killed):
         ck.save(path, params, state, ss, engine, extra={"v": 2}, _hook=crash_at(point, truncate=point == "shard_written"))
     if point == "pointer_written":  # the new pointer was written, not yet moved into place
-        assert [n for n in os.listdir(path) if n.startswith(f".{ck.POINTER}.tmp-")]
+        assert [n for n in os.listdir(path) if n.startswith(f".{commit.POINTER}.tmp-")]
 
     fresh = make_engine()
     fresh.init(model_params(seed=9))
@@ -352,7 +351,7 @@ def test_crash_at_any_point_leaves_a_loadable_checkpoint(tmp_path, point):
     assert os.listdir(tmp_path) == ["ckpt"]  # a save never writes next to path
 
     # the next save deletes what the crashed one left (recorded in the marker) and nothing else
-    before = ck._read_pointer(path)[0]
+    before = commit._read_pointer(path)[0]
     ck.save(path, params, state, ss, engine, extra={"v": 3})
     assert entries(path) == COMMITTED and os.listdir(tmp_path) == ["ckpt"]
     assert before in os.listdir(path)  # the previous snapshot stays until the next save
@@ -368,7 +367,7 @@ def test_crash_in_the_first_save_then_a_save_that_completes(tmp_path):
     with pytest.raises(ck.CheckpointError, match="no save to it has completed"):
         ck.load(path, fresh_engine())
     ck.save(path, params, state, ss, engine, extra={"v": 1})
-    assert entries(path) == sorted([ck.POINTER, ck.MARKER, "snapshot-*"])  # the partial snapshot is gone
+    assert entries(path) == sorted([commit.POINTER, commit.MARKER, "snapshot-*"])  # the partial snapshot is gone
     assert ck.load(path, fresh_engine())[3] == {"v": 1}
 
 
@@ -398,7 +397,7 @@ def test_rank_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     assert dead is None and msg.startswith("save ") and "did one die?" in msg, msg
     path = str(tmp_path / "ckpt")
     # the surviving rank 0 removed the partial snapshot; the previous one is intact
-    assert entries(path) == sorted([ck.POINTER, ck.MARKER, "snapshot-*"])
+    assert entries(path) == sorted([commit.POINTER, commit.MARKER, "snapshot-*"])
     assert sorted(os.listdir(snapshot_dir(path))) == ["manifest.json"] + [f"shard-0000{r}-of-00002.safetensors" for r in range(2)]
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ref.safetensors"]
     engine = make_engine()
@@ -459,7 +458,7 @@ def test_corrupted_truncated_missing_shard_and_manifest_name_the_file(saved):
     edit_manifest(path + "_gone", lambda text: text)  # the pointer now vouches for the truncated text
     with pytest.raises(ck.CheckpointError, match=r"cannot read .*_gone/snapshot-\w+/manifest.json"):
         ck.load(path + "_gone", fresh_engine())
-    with open(os.path.join(path + "_flip", ck.POINTER), "w") as f:
+    with open(os.path.join(path + "_flip", commit.POINTER), "w") as f:
         f.write('{"format": "fzero-checkpoint", "version": 2, "snapshot": "../elsewhere", "manifest_sha256": "00"}')
     with pytest.raises(ck.CheckpointError, match=r"current.json: pointer field snapshot = '../elsewhere': must match"):
         ck.load(path + "_flip", fresh_engine())
@@ -502,7 +501,7 @@ def test_manifest_contents_and_no_pickle(saved):
     path, engine, params, state, ss = saved
     m = ck.read_manifest(path)
     assert m["format"] == "fzero-checkpoint" and m["version"] == ck.VERSION == 2 and m["world_size"] == 1
-    assert m["param_dtype"] == "float16" and m["step"] == 2  # 3 steps, one skipped
+    assert m["param_dtype"] == "float16" and m["step"] is None  # extra has no "step"
     assert [(e["path"], e["shape"], e["offset"]) for e in m["layout"]["leaves"]] == [
         ("blocks/0/g", [13], 0), ("blocks/1/g", [3, 1, 2], 13), ("one", [1], 19), ("w", [7, 5], 20), ("z", [17, 23], 55)]
     scalars = {e["name"]: e["value"] for e in m["state"] if e["kind"] == "scalar"}
@@ -513,6 +512,17 @@ def test_manifest_contents_and_no_pickle(saved):
     tensors = load_file(os.path.join(snapshot_dir(path), entry["file"]))
     assert sorted(tensors) == ["master", "tx_state/0/mu", "tx_state/0/nu", "tx_state/1/mask"]
     assert tensors["tx_state/1/mask"].dtype == torch.bool and tensors["master"].shape == (446,)  # no padding
+
+
+def test_manifest_step_is_extras_step(saved, tmp_path):
+    path, engine, params, state, ss = saved
+    ck.save(path, params, state, ss, engine, extra={"step": 7, "seed": 1})
+    assert ck.read_manifest(path)["step"] == 7  # not the optimizer's count (2: one step was skipped)
+    assert int(state.tx_state[0].count) == 2
+    for bad in (-1, 2.0, True, "7", None):
+        with pytest.raises(ck.CheckpointError, match=r"extra\['step'\] = .*: must be an integer >= 0"):
+            ck.save(path, params, state, ss, engine, extra={"step": bad})
+    assert ck.read_manifest(path)["step"] == 7  # the refused saves committed nothing
 
 
 def test_save_load_same_engine_bitwise_params_and_extra_validation(saved, tmp_path):
@@ -564,22 +574,23 @@ def test_each_rank_reads_exactly_its_real_elements(old_n, new_n):
     glob_vec = torch.cat([x.reshape(-1) for x in optree.tree_leaves(p)])
     old = fzero.make_layout(p, old_n, alignment=8, bucket_numel=40)  # reversed buckets: many segments
     new = fzero.make_layout(p, new_n, alignment=64)
-    files = [{"segments": [[g0, g1] for g0, g1, _ in segs]} for segs in ck._rank_segments(old)]
-    new_segments = ck._rank_segments(new)
+    old_segments = [old.owned(r) for r in range(old_n)]
+    files = [{"segments": [[g0, g1] for g0, g1, _ in segs]} for segs in old_segments]
+    new_segments = [new.owned(r) for r in range(new_n)]
     for r in range(new_n):
         shard = torch.zeros(new.shard_numel)
         hit = torch.zeros(new.shard_numel, dtype=torch.int32)
-        for entry, segs in zip(files, ck._rank_segments(old)):
+        for entry, segs in zip(files, old_segments):
             data = torch.cat([glob_vec[g0:g1] for g0, g1, _ in segs]) if segs else torch.zeros(0)
-            for fpos, spos, m in ck._overlaps(entry["segments"], new_segments[r]):
+            for fpos, spos, m in reshard._overlaps(entry["segments"], new_segments[r]):
                 shard[spos : spos + m] = data[fpos : fpos + m]
                 hit[spos : spos + m] += 1
         assert torch.equal(shard, fzero.tree_shard(p, new, r, dtype=torch.float32))
         real = sum(g1 - g0 for g0, g1, _ in new_segments[r])
         assert int(hit.sum()) == real and int(hit.max()) <= 1
     # each file is hashed by the new rank that reads most of it (page cache), ties to the lowest
-    for j, (entry, owner) in enumerate(zip(files, ck._verifiers(files, new_segments))):
-        seen = [sum(m for *_, m in ck._overlaps(entry["segments"], segs)) for segs in new_segments]
+    for j, (entry, owner) in enumerate(zip(files, reshard._verifiers(files, new_segments))):
+        seen = [sum(m for *_, m in reshard._overlaps(entry["segments"], segs)) for segs in new_segments]
         assert owner == (seen.index(max(seen)) if max(seen) else j % new_n)
 
 
@@ -649,7 +660,7 @@ def mixed_parts(engine, state, ss, extra):
     """The parts of a loaded checkpoint that do not say ``extra["tag"]`` (empty: consistent)."""
     tag = extra["tag"]
     real = torch.zeros(engine.layout.shard_numel, dtype=torch.bool)  # padding is not stored: zero
-    for g0, g1, pos in ck._rank_segments(engine.layout)[engine.comm.rank]:
+    for g0, g1, pos in engine.layout.owned(engine.comm.rank):
         real[pos : pos + g1 - g0] = True
     adam, decay, sched = state.tx_state
     checks = {
@@ -713,7 +724,7 @@ def race_save_and_load(rank, world_size, tmp):
         return {"saves": tag}
     out = {"loads": 0, "replaced": 0, "errors": [], "mixed": []}
     deadline = time.monotonic() + 90
-    while not os.path.exists(os.path.join(path, ck.POINTER)) and time.monotonic() < deadline:
+    while not os.path.exists(os.path.join(path, commit.POINTER)) and time.monotonic() < deadline:
         time.sleep(0.01)
     open(ready, "w").close()
     finished = False
@@ -754,7 +765,7 @@ def edit_manifest(path, edit):
         text = edit(f.read())
     with open(file, "w") as f:
         f.write(text)
-    pointer = os.path.join(path, ck.POINTER)
+    pointer = os.path.join(path, commit.POINTER)
     with open(pointer) as f:
         p = json.load(f)
     p["manifest_sha256"] = hashlib.sha256(text.encode()).hexdigest()
@@ -878,7 +889,7 @@ def test_save_refuses_what_load_would_refuse(saved):
     with pytest.raises(ck.CheckpointError, match=r"manifest field state\['tx_state/0/b2'\]\.value = 1\.5: must be in \[0, 1\)"):
         ck.save(path, params, bad, ss, engine)
     # nothing was committed, no snapshot left behind
-    assert entries(path) == sorted([ck.POINTER, ck.MARKER, "snapshot-*"])
+    assert entries(path) == sorted([commit.POINTER, commit.MARKER, "snapshot-*"])
     assert ck.load(path, fresh_engine())[3] == {"epoch": 1, "seen": [1, 2]}
 
 

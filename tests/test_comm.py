@@ -7,44 +7,24 @@ import torch
 import torch.distributed as dist
 
 import fzero
-import fzero.comm
 import transforms
 from distributed import run_ranks
-from helpers import grads_like, odd_params
+from helpers import RecordingComm, grads_like, odd_params
 
 STEPS = 3
 
 
-def count_collectives():
-    """Wrap the functional collectives fzero calls; return the live counter dict."""
-    counts = {"reduce_scatter": [0, 0], "all_gather": [0, 0], "all_reduce": [0, 0]}  # calls, bytes
-
-    def wrap(name, fn, out_bytes=False):
-        def f(x, *a, **k):
-            y = fn(x, *a, **k)
-            counts[name][0] += 1
-            counts[name][1] += (y if out_bytes else x).numel() * x.element_size()
-            return y
-        return f
-
-    fzero.comm._reduce_scatter = wrap("reduce_scatter", fzero.comm._reduce_scatter)
-    fzero.comm._all_gather = wrap("all_gather", fzero.comm._all_gather, out_bytes=True)
-    fzero.comm._all_reduce = wrap("all_reduce", fzero.comm._all_reduce)
-    return counts
-
-
 def train(rank, world_size, configs):
-    counts = count_collectives()
     p0 = odd_params()
     out = []
     for cfg in configs:
         cfg = dict(cfg)
         micro = cfg.pop("micro", 1)
+        comm = RecordingComm.of(None)
         engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=torch.float16,
-                             loss_scale=fzero.StaticLossScale(8.0), **cfg)
+                             loss_scale=fzero.StaticLossScale(8.0), group=comm, **cfg)
         params, state, ss = engine.init(p0)
-        for c in counts.values():
-            c[:] = [0, 0]
+        comm.events.clear()
         for step in range(STEPS):
             acc = None
             for m in range(micro):
@@ -55,7 +35,7 @@ def train(rank, world_size, configs):
             "params": torch.cat([x.reshape(-1) for x in optree.tree_leaves(params)]),
             "norm": info["grad_norm"],
             "master": state.master,
-            "counts": {k: list(v) for k, v in counts.items()},
+            "counts": comm.counts(),
             "buckets": len(engine.layout.buckets),
             "padded": engine.layout.padded_numel,
             "state_device": str(state.master.device),
@@ -178,3 +158,26 @@ def test_shutdown_joins_the_gloo_threads_while_the_engine_is_alive(destroy_only)
     for r in run_ranks(shutdown_after_training, 2, destroy_only):
         assert "pt_gloo_runloop" in r["before"] and "gloo_tcp_loop" in r["before"], r
         assert r["after"] == [] and not r["initialized"], r  # the backend is gone, not leaked
+
+
+def mean_of_ranks(rank, world_size):
+    comm = fzero.comm.Comm.of(None)
+    layout = fzero.make_layout({"a": torch.zeros(10), "b": torch.zeros(7)}, world_size, alignment=2, bucket_numel=8)
+    out = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        buckets = [torch.full((world_size * b.shard,), 64.0 * (rank + 1), dtype=dtype) for b in layout.buckets]
+        kept = [x.clone() for x in buckets]
+        partial, factor = comm.reduce_scatter_mean(buckets, layout)
+        assert all(torch.equal(x, k) for x, k in zip(buckets, kept))  # the inputs are left alone
+        assert factor == comm.mean_factor(dtype)
+        out[str(dtype)] = (partial.float() * factor, partial.dtype)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reduce_scatter_mean_hides_the_pre_post_split(world_size):
+    mean = 64.0 * (world_size + 1) / 2  # every partial sum exact in BF16
+    for res in run_ranks(mean_of_ranks, world_size):
+        for dtype, (x, got_dtype) in res.items():
+            assert str(got_dtype) == dtype  # reduced in the dtype it was given
+            torch.testing.assert_close(x, torch.full_like(x, mean), rtol=0, atol=0)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fzero
+import fzero.comm
 import transforms
 from models import mlp
 from helpers import grads_like, master_tree, odd_params, run_tx, torch_adamw, tree_assert_close, tree_equal
@@ -379,6 +380,31 @@ def test_simulated_ranks_hold_their_shard_of_the_one_process_state(world_size):
         shards.append(s.master)
     master = torch.cat(shards)[: sim.layout.numel]
     torch.testing.assert_close(master, state.master[: sim.layout.numel], rtol=1e-6, atol=1e-7)
+
+
+def test_an_engine_is_bound_once_by_init(ready):
+    engine, params, state, ss, grads = ready
+    layout = engine.layout
+    _, state2, _ = engine.init(odd_params(seed=1))  # same layout: a fresh state, same binding
+    assert engine.layout is layout and state2.master.shape == state.master.shape
+    with pytest.raises(ValueError, match="bound to other params"):
+        engine.init({"x": torch.zeros(300)})
+    assert engine.layout is layout  # the running step is untouched
+    params, state, ss, info = engine.step(params, grads, state, ss)
+    assert not info["found_inf"]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_an_injected_simulated_communicator_is_the_simulate_shorthand(world_size):
+    p0, g = odd_params(), grads_like(odd_params(), 0)
+    out = []
+    for kw in (dict(simulate=(world_size - 1, world_size)), dict(group=fzero.comm.SimulatedComm(world_size - 1, world_size))):
+        engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, loss_scale=None, **kw)
+        params, state, ss = engine.init(p0)
+        out.append(engine.step(params, g, state, ss)[1].master)
+    assert torch.equal(out[0], out[1])
+    with pytest.raises(ValueError, match=r"rank 3 is not in \[0, 3\)"):
+        fzero.comm.SimulatedComm(3, 3)
 
 
 def test_grads_on_another_device_names_leaf(ready):

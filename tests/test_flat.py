@@ -75,3 +75,31 @@ def test_parameter_straddles_ranks():
     assert [tree_shard(tree, layout, r, dtype=torch.float32).tolist() for r in range(4)] == [
         [0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 0]
     ]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("bucket_numel", [None, 8])
+def test_owned_tiles_the_global_vector_and_agrees_with_tree_shard(world_size, bucket_numel):
+    tree = odd_tree()
+    tree["empty"] = torch.zeros(0, 3)  # a leaf with no elements
+    layout = make_layout(tree, world_size, alignment=4, bucket_numel=bucket_numel)
+    assert bucket_numel is None or len(layout.buckets) > 1
+    global_vec = torch.cat([x.reshape(-1) for x in optree.tree_leaves(tree)])
+    assert layout.global_offsets == tuple(int(sum(math.prod(s) for s in layout.shapes[:i])) for i in range(len(layout.shapes)))
+    ranges = []
+    for r in range(world_size):
+        owned = layout.owned(r)
+        assert owned == sorted(owned)
+        assert all(a[1] < b[0] or a[2] + a[1] - a[0] != b[2] for a, b in zip(owned, owned[1:]))  # merged
+        shard = tree_shard(tree, layout, r, dtype=torch.float32)
+        real = torch.zeros(layout.shard_numel, dtype=torch.bool)
+        for g0, g1, pos in owned:
+            assert torch.equal(shard[pos : pos + g1 - g0], global_vec[g0:g1])
+            real[pos : pos + g1 - g0] = True
+        assert not shard[~real].any()  # the rest is padding, zero
+        ranges += [(g0, g1) for g0, g1, _ in owned]
+    end = 0  # the ranges of all ranks tile [0, P)
+    for g0, g1 in sorted(ranges):
+        assert g0 == end and g1 > g0
+        end = g1
+    assert end == layout.numel

@@ -12,10 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import optree
 import pytest
 import torch
 
+import fzero
+import transforms
 from fzero.checkpoint import read_manifest
+from models import gpt
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TRAIN = EXAMPLES / "train.py"
@@ -84,13 +88,14 @@ def test_two_ranks_fp16_log_is_complete_loss_falls_params_agree(tmp_path):
     first, last = mean([r["loss"] for r in records[:5]]), mean([r["loss"] for r in records[-5:]])
     assert first > 4.0 and last < first - 0.8, (first, last)
     assert records[-1]["val_loss"] < records[9]["val_loss"]
-    # Summary: 2 ranks, ZeRO-1 state of about 12 bytes per param / 2, identical params everywhere.
+    # Summary: 2 ranks, ZeRO-1 state of about 13 bytes per param / 2 (FP32 master and moments, and
+    # the weight-decay mask as a bool shard), identical params everywhere.
     assert summary["world_size"] == 2 and summary["steps"] == steps
     assert summary["skipped_steps"] == skipped
     assert summary["final_loss"] == records[-1]["loss"]
     assert summary["best_val_loss"] == min(r["val_loss"] for r in records if r["val_loss"] is not None)
     p = summary["param_count"]
-    assert 12 * p / 2 <= summary["opt_state_bytes_per_rank"] <= 12 * (p / 2 + 64) + 64
+    assert 13 * p / 2 <= summary["opt_state_bytes_per_rank"] <= 13 * (p / 2 + 64) + 64
     digests = summary["params_sha256"]
     assert len(digests) == 2 and len(set(digests)) == 1 and len(digests[0]) == 64
     assert summary["params_identical_across_ranks"] is True
@@ -230,3 +235,50 @@ def test_save_every_and_resume_at_another_world_size_continue_exactly(tmp_path):
     assert [r["step"] for r in resumed] == list(range(9, 17))
     for a, b in zip(straight[8:], resumed):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * a["loss"], (a, b)
+
+
+# ---------------------------------------------------------------- the optimizer train.py builds
+def load_train_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # train.py imports its sibling data.py as `data`
+    spec = importlib.util.spec_from_file_location("examples_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def nano_gpt_params():
+    config = gpt.GPTConfig(97, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    return gpt.init(torch.Generator().manual_seed(0), config)
+
+
+def decayed_args(train_py):
+    # the peak lr from the first step (no warmup), so that one step shows the decay
+    return train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10"])
+
+
+def test_weight_decay_mask_is_the_ndim_rule(monkeypatch):
+    """train.py decays matrices (weights, embeddings), not biases or norm gains (nanoGPT's
+    ndim >= 2 rule): the mask adamw keeps, on the params pytree."""
+    train_py = load_train_module(monkeypatch)
+    tx = train_py.make_optimizer(decayed_args(train_py))
+    params = nano_gpt_params()
+    assert {x.ndim for x in optree.tree_leaves(params)} == {1, 2}
+    state = tx.init(params)
+    is_masked = lambda x: isinstance(x, transforms.MaskedState)  # noqa: E731
+    (masked,) = [s for s in optree.tree_leaves(state, is_leaf=is_masked) if is_masked(s)]
+    assert masked.mask == optree.tree_map(lambda x: x.ndim >= 2, params)
+    assert transforms.get_hyperparams(state)["weight_decay"].item() == 0.5
+
+
+def test_engine_step_decays_matrices_only(monkeypatch):
+    """One engine step of train.py's optimizer with zero grads at lr 0.1, weight decay 0.5: every
+    matrix moves by exactly -lr * wd * p, every 1-D param (bias, norm gain) stays as it was."""
+    train_py = load_train_module(monkeypatch)
+    engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py)), param_dtype=torch.float32)
+    p, state, scaler_state = engine.init(nano_gpt_params())
+    new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
+    for old, x in zip(optree.tree_leaves(p), optree.tree_leaves(new)):
+        if old.ndim >= 2:
+            torch.testing.assert_close(x, old * (1 - 0.1 * 0.5), rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(x, old)

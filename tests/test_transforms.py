@@ -233,3 +233,116 @@ def test_set_hyperparams_accepts_boundaries_and_tensors():
     hp = T.get_hyperparams(new)
     assert hp["lr"].dtype == torch.float64 and hp["b2"].item() == 0.95
     assert optree.tree_structure(new) == optree.tree_structure(state)
+
+
+# ---------------------------------------------------------------- ShardContext: a flat tensor standing for a pytree
+def flat_context(params, lo, hi):
+    """``(shard, context)``: elements ``[lo, hi)`` of the concatenated leaves of ``params`` and
+    the ``ShardContext`` that lays a per-leaf pytree out like that shard (as fzero's engine does
+    for one rank)."""
+    leaves, spec = optree.tree_flatten(params)
+
+    def to_shard(per_leaf):
+        masks = spec.flatten_up_to(per_leaf)
+        return torch.cat([torch.as_tensor(m, dtype=torch.bool).expand(p.shape).reshape(-1) for m, p in zip(masks, leaves)])[lo:hi]
+
+    return flatten_tree(params)[lo:hi], T.ShardContext(optree.tree_map(torch.empty_like, params), to_shard)
+
+
+def flatten_tree(tree):
+    return torch.cat([x.reshape(-1) for x in optree.tree_leaves(tree)])
+
+
+def is_masked(x):
+    return isinstance(x, T.MaskedState)
+
+
+def matrices(p):
+    return optree.tree_map(lambda x: x.ndim >= 2, p)
+
+
+@pytest.mark.parametrize("as_callable", [True, False])
+def test_masked_on_a_flat_shard_with_context_equals_masked_on_the_pytree(as_callable):
+    params, seq = tree(), grads_seq(4)
+    mask = matrices if as_callable else matrices(params)  # the mask always refers to the pytree
+
+    def make():
+        return T.chain(T.clip_by_global_norm(1.0), T.adamw(lr=1e-2, weight_decay=0.5, weight_decay_mask=mask))
+
+    want, _ = run_tx(make(), params, seq)
+    shards = []  # leaves in optree's order b (3), one (1), w (12): the first shard ends inside w
+    for lo, hi in ((0, 6), (6, 16)):
+        shard, context = flat_context(params, lo, hi)
+        tx = make()
+        state = tx.init(shard, context=context)
+        (mask_state,) = [s for s in optree.tree_leaves(state, is_leaf=is_masked) if is_masked(s)]
+        assert mask_state.mask.dtype == torch.bool and mask_state.mask.shape == shard.shape
+        for grads in seq:
+            updates, state = tx.update(flatten_tree(grads)[lo:hi], state, shard, grad_norm=T.global_norm(grads))
+            shard = T.apply_updates(shard, updates)
+        shards.append(shard)
+    torch.testing.assert_close(torch.cat(shards), flatten_tree(want), rtol=0, atol=0)
+
+
+def test_masked_without_context_keeps_the_pytree_mask():
+    """Plain use is unchanged: the state holds the mask pytree itself (or the callable's result
+    on the params), and updates pass through where it is False."""
+    params, zeros = tree(), optree.tree_map(torch.zeros_like, tree())
+    broadcast = {"w": torch.tensor(True), "b": torch.ones(3, dtype=torch.bool), "one": False}  # bool tensors broadcast
+    for mask, want in ((matrices, matrices(params)), (matrices(params), matrices(params)), (broadcast, broadcast)):
+        tx = T.masked(T.add_decayed_weights(1.0), mask)
+        for state in (tx.init(params), tx.init(params, context=None)):
+            assert state.mask is mask if not callable(mask) else state.mask == want
+            updates, _ = tx.update(zeros, state, params)
+            for k in params:
+                assert torch.equal(updates[k], params[k] if bool(torch.as_tensor(want[k]).all()) else zeros[k])
+
+
+def test_resolve_per_leaf():
+    params = tree()
+    assert T.resolve_per_leaf(matrices, params) == {"w": True, "b": False, "one": False}
+    fixed = {"w": False, "b": True, "one": True}
+    assert T.resolve_per_leaf(fixed, params) is fixed
+    shard, context = flat_context(params, 2, 6)  # b[2], one, w[0:2]
+    for setting in (matrices, matrices(params)):
+        got = T.resolve_per_leaf(setting, shard, context)
+        assert torch.equal(got, torch.tensor([False, False, True, True]))
+    # the callable sees context.tree (the pytree), never the flat tensor
+    seen = []
+    T.resolve_per_leaf(lambda p: seen.append(p) or fixed, shard, context)
+    assert seen == [context.tree]
+
+
+def test_every_init_takes_context_and_chain_passes_it_on():
+    params = tree()
+    shard, context = flat_context(params, 0, 16)
+    seen = []
+
+    def spy():
+        def init(params, *, context=None):
+            seen.append(context)
+            return ()
+
+        return T.GradientTransformation(init, T.identity().update)
+
+    txs = [
+        T.identity(), T.clip_by_global_norm(1.0), T.trace(0.9), T.scale_by_adam(),
+        T.scale_by_learning_rate(0.1), T.scale_by_learning_rate(T.constant(0.1)),
+        T.add_decayed_weights(0.1), T.add_decayed_weights(0.1, mask=matrices), T.adamw(weight_decay_mask=matrices),
+        T.sgd(lr=0.1, momentum=0.9, weight_decay=0.1, weight_decay_mask=matrices),
+        T.chain(spy(), T.masked(spy(), matrices)),
+    ]
+    for tx in txs:
+        tx.init(shard, context=context)
+        tx.init(params)
+        with pytest.raises(TypeError):
+            tx.init(shard, tree=params, to_flat=context.to_shard)  # the old keywords are gone
+    assert seen == [context, context, None, None]
+
+
+def test_scalar_and_hyperparam_are_public():
+    x = torch.tensor(0.999, dtype=torch.float64)
+    assert T.scalar(x).dtype == torch.float32 and T.scalar(x).item() == x.float().item()
+    hp = T.hyperparam(0.999, tree())
+    assert hp.dtype == torch.float64 and hp.ndim == 0 and hp.item() == 0.999
+    assert {"ShardContext", "resolve_per_leaf", "scalar", "hyperparam"} <= set(T.__all__)

@@ -1,21 +1,28 @@
 """Optax-style gradient transformations on pytrees of tensors (no ranks, no process groups).
 
-Each transform is ``GradientTransformation(init, update)``; fzero's engine applies them to one
-rank's flat FP32 shard, and they work on any pytree as well.
+Each transform is ``GradientTransformation(init, update)`` with ``init(params, *, context=None)``
+and ``update(updates, state, params=None, **extra)``; they work on any pytree. A caller that
+applies them to a flat shard of a pytree (fzero's engine: one rank's FP32 shard) passes
+``context=ShardContext(tree, to_shard)`` to ``init``, so that masks still refer to the pytree's
+leaves (see ``transforms.base``). ``scalar`` and ``hyperparam`` are the helpers for the 0-d
+tensors of states and steps (see ``transforms.scalars``).
 """
 from .adam import ScaleByAdamState, adamw, scale_by_adam
 from .base import (
     GradientTransformation,
     MaskedState,
+    ShardContext,
     apply_updates,
     chain,
     get_hyperparams,
     iter_hyperparams,
     identity,
     masked,
+    resolve_per_leaf,
     set_hyperparams,
 )
 from .clip import clip_by_global_norm, global_norm
+from .scalars import hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 from .schedules import constant, cosine_decay, linear, linear_warmup, warmup_cosine_decay
 from .sgd import sgd, trace
@@ -24,6 +31,7 @@ __all__ = [
     "GradientTransformation",
     "MaskedState",
     "ScaleByAdamState",
+    "ShardContext",
     "adamw",
     "add_decayed_weights",
     "apply_updates",
@@ -34,10 +42,13 @@ __all__ = [
     "get_hyperparams",
     "iter_hyperparams",
     "global_norm",
+    "hyperparam",
     "identity",
     "linear",
     "linear_warmup",
     "masked",
+    "resolve_per_leaf",
+    "scalar",
     "scale_by_adam",
     "scale_by_learning_rate",
     "set_hyperparams",

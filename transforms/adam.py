@@ -6,7 +6,8 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, chain, check_hyperparam, hyperparam, scalar
+from .base import GradientTransformation, ShardContext, chain, check_hyperparam
+from .scalars import hyperparam, scalar, zero_count
 from .scale import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adamw"]
@@ -50,13 +51,13 @@ def scale_by_adam(
     for name, value in (("b1", b1), ("b2", b2), ("eps", eps)):
         check_hyperparam("scale_by_adam", name, value)
 
-    def init(params, **extra):
+    def init(params, *, context: ShardContext | None = None):
         def zeros(dtype):
             return optree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
 
-        count = torch.zeros((), dtype=torch.int32, device=optree.tree_leaves(params)[0].device)
         return ScaleByAdamState(
-            count, zeros(mu_dtype), zeros(nu_dtype), hyperparam(b1, params), hyperparam(b2, params), hyperparam(eps, params)
+            zero_count(params), zeros(mu_dtype), zeros(nu_dtype),
+            hyperparam(b1, params), hyperparam(b2, params), hyperparam(eps, params),
         )
 
     def update(updates, state, params=None, **extra):
@@ -100,7 +101,9 @@ def adamw(
 
     which equals torch's ``p *= 1 - lr*wd; p -= lr * u_adam``. ``lr`` is a float or a
     schedule ``count -> lr``. ``weight_decay_mask``: pytree of bools (or a callable on the
-    params pytree) selecting the leaves that decay, e.g. no decay on biases and norm gains.
+    params pytree) selecting the leaves that decay, e.g. ``lambda p: tree_map(lambda x: x.ndim >=
+    2, p)`` for no decay on biases and norm gains; it refers to the params pytree also when the
+    transform runs on a flat shard (see ``masked`` and ``ShardContext``).
 
     Invalid values raise ``ValueError`` here, as in torch.optim.AdamW: a float ``lr`` must be
     finite and >= 0, ``betas`` a pair in [0, 1), ``eps`` and ``weight_decay`` finite and >= 0.

@@ -1,13 +1,19 @@
 """Gradient transformations, optax style: ``GradientTransformation(init, update)``.
 
-``init(params, **extra) -> state`` and ``update(updates, state, params=None, **extra) ->
-(updates, state)`` are pure functions on pytrees (a single tensor is a pytree of one leaf:
-that is how fzero's engine calls them, on one rank's flat FP32 shard). ``state`` is built from
-NamedTuples/tuples/dicts of tensors. Hyperparameters live in the state as 0-d float64 tensors,
-so changing one (``set_hyperparams``) never retraces a compiled step.
+``init(params, *, context=None) -> state`` and ``update(updates, state, params=None, **extra) ->
+(updates, state)`` are pure functions on pytrees (a single tensor is a pytree of one leaf).
+``state`` is built from NamedTuples/tuples/dicts of tensors. Hyperparameters live in the state
+as 0-d float64 tensors, so changing one (``set_hyperparams``) never retraces a compiled step.
 
-``extra`` carries what only the caller can know, e.g. ``grad_norm`` (the global L2 norm of the
-gradients over all ranks, computed by the engine). Transforms ignore keys they do not use.
+``context``: ``None`` when ``params`` is the params pytree itself (plain use). A caller that
+runs the transform on a flat shard of a pytree -- fzero's engine, on one rank's FP32 shard --
+passes a ``ShardContext`` instead, so that per-leaf settings (``masked``'s mask, a weight-decay
+mask) still refer to the pytree's leaves. Transforms without per-leaf settings ignore it and
+``chain``/``masked`` pass it on; ``resolve_per_leaf`` resolves a setting against it.
+
+``extra`` carries what only the caller can know at each step, e.g. ``grad_norm`` (the global
+L2 norm of the gradients over all ranks, computed by fzero's engine). Transforms ignore keys
+they do not use.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import torch
 
 __all__ = [
     "GradientTransformation",
+    "ShardContext",
+    "resolve_per_leaf",
     "chain",
     "identity",
     "masked",
@@ -26,16 +34,44 @@ __all__ = [
     "set_hyperparams",
     "get_hyperparams",
     "iter_hyperparams",
-    "hyperparam",
     "check_hyperparam",
     "apply_updates",
-    "scalar",
 ]
 
 
 class GradientTransformation(NamedTuple):
+    """``init(params, *, context=None) -> state``; ``update(updates, state, params=None,
+    **extra) -> (updates, state)`` (see the module docstring)."""
+
     init: Callable[..., Any]
     update: Callable[..., tuple[Any, Any]]
+
+
+class ShardContext(NamedTuple):
+    """What ``init(params, *, context=...)`` gets when ``params`` is not the params pytree but
+    a tensor standing for (a shard of) it, e.g. one rank's flat FP32 shard under fzero's engine.
+    Given once, at init; ``None`` (the default) means ``params`` is the pytree itself.
+
+    ``tree``: the params pytree the tensor stands for (shapes matter; values may be
+    placeholders) -- what a mask callable is applied to. ``to_shard(per_leaf)``: a pytree like
+    ``tree`` of per-leaf values (bools, or bool tensors broadcastable to each leaf) -> a tensor
+    laid out like the params the transform runs on."""
+
+    tree: Any
+    to_shard: Callable[[Any], torch.Tensor]
+
+
+def resolve_per_leaf(setting, params, context: ShardContext | None = None):
+    """A per-leaf ``setting`` laid out like ``params``, the params a transform runs on.
+
+    ``setting``: a pytree like the params pytree (of bools, or bool tensors broadcastable to
+    each leaf), or a callable ``params pytree -> such a pytree``. Without ``context``
+    ``params`` is that pytree: the callable is applied to it, and the pytree is returned as
+    is. With one, the callable is applied to ``context.tree`` and the result goes through
+    ``context.to_shard`` (a tensor like ``params``). Call it in ``init``, once."""
+    tree = params if context is None else context.tree
+    value = setting(tree) if callable(setting) else setting
+    return value if context is None else context.to_shard(value)
 
 
 class EmptyState(NamedTuple):
@@ -44,14 +80,22 @@ class EmptyState(NamedTuple):
 
 def identity() -> GradientTransformation:
     """Leaves updates unchanged."""
-    return GradientTransformation(lambda params, **extra: EmptyState(), lambda u, s, params=None, **extra: (u, s))
+
+    def init(params, *, context: ShardContext | None = None):
+        return EmptyState()
+
+    def update(updates, state, params=None, **extra):
+        return updates, state
+
+    return GradientTransformation(init, update)
 
 
 def chain(*txs: GradientTransformation) -> GradientTransformation:
-    """Apply ``txs`` in order; the state is a tuple of their states."""
+    """Apply ``txs`` in order; the state is a tuple of their states. ``init`` gives each the
+    same ``context``."""
 
-    def init(params, **extra):
-        return tuple(tx.init(params, **extra) for tx in txs)
+    def init(params, *, context: ShardContext | None = None):
+        return tuple(tx.init(params, context=context) for tx in txs)
 
     def update(updates, state, params=None, **extra):
         new_state = []
@@ -64,8 +108,9 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
 
 
 class MaskedState(NamedTuple):
-    """``inner``: the wrapped transform's state. ``mask``: a pytree of bools like the params
-    (plain use) or, under fzero's engine, a bool tensor like the flat shard (1 byte/element)."""
+    """``inner``: the wrapped transform's state. ``mask``: the mask as ``resolve_per_leaf``
+    gives it: a pytree of bools like the params (plain use) or, with a ``ShardContext``, a bool
+    tensor laid out like the params (under fzero's engine the ``[S]`` shard, 1 byte/element)."""
 
     inner: Any
     mask: Any
@@ -74,20 +119,16 @@ class MaskedState(NamedTuple):
 def masked(inner: GradientTransformation, mask) -> GradientTransformation:
     """Apply ``inner`` only where ``mask`` is True; elsewhere updates pass through unchanged.
 
-    ``mask``: a pytree of bools (or bool tensors) with the params' structure, or a callable
-    ``params -> such a pytree``, e.g. ``lambda p: tree_map(lambda x: x.ndim > 1, p)`` for
-    "no weight decay on biases and norm gains".
-
-    ``init(params, *, tree=None, to_flat=None)``: when the transform runs on a flat shard
-    (fzero's engine), ``tree`` is the params pytree the mask refers to and ``to_flat`` turns a
-    pytree of bools into the matching bool shard; both are given once, at init.
+    ``mask``: a pytree of bools (or bool tensors broadcastable to each leaf) with the params'
+    structure, or a callable ``params -> such a pytree``, e.g. ``lambda p: tree_map(lambda x:
+    x.ndim > 1, p)`` for "no weight decay on biases and norm gains". It always refers to the
+    params *pytree*: ``init(params, *, context=None)`` resolves it once with
+    ``resolve_per_leaf`` (with a ``ShardContext``, against ``context.tree``, laid out by
+    ``context.to_shard``) and passes ``context`` on to ``inner``.
     """
 
-    def init(params, *, tree=None, to_flat=None, **extra):
-        m = mask(tree if tree is not None else params) if callable(mask) else mask
-        if to_flat is not None:
-            m = to_flat(m)
-        return MaskedState(inner.init(params, tree=tree, to_flat=to_flat, **extra), m)
+    def init(params, *, context: ShardContext | None = None):
+        return MaskedState(inner.init(params, context=context), resolve_per_leaf(mask, params, context))
 
     def update(updates, state, params=None, **extra):
         new, inner_state = inner.update(updates, state.inner, params, **extra)
@@ -102,31 +143,6 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         return chosen, MaskedState(inner_state, state.mask)
 
     return GradientTransformation(init, update)
-
-
-def scalar(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x`` (0-d) as a 0-d ``dtype`` tensor computed once per step.
-
-    Exactly ``x.to(dtype)``. The detour through a 16-element sum is for ``torch.compile``:
-    inductor inlines 0-d pointwise math into its consumers, so a bias correction
-    (``float64`` pow, sqrt) would be recomputed for every element of an ``[S]`` kernel (5x
-    slower on CPU); a reduction of more than 8 elements is always materialized first."""
-    x = x.to(dtype).reshape(1)
-    return torch.cat([x, x.new_zeros(15)]).sum()
-
-
-def first_device(tree) -> torch.device | None:
-    leaves = optree.tree_leaves(tree)
-    return leaves[0].device if leaves else None
-
-
-def hyperparam(value: float, params) -> torch.Tensor:
-    """A 0-d float64 tensor on the params' device: a hyperparameter that may change in training.
-
-    float64 so that ``0.999`` is 0.999 (as a Python float is in torch.optim): an fp32 ``b2``
-    puts a 1.3e-5 relative error into ``1 - b2``. Only 0-d scalars are computed in float64;
-    they are cast to fp32 before touching the ``[S]`` tensors."""
-    return torch.tensor(float(value), dtype=torch.float64, device=first_device(params))
 
 
 def _finite_at_least_0(v: float) -> bool:

@@ -6,7 +6,8 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, check_hyperparam, hyperparam, scalar
+from .base import GradientTransformation, ShardContext, check_hyperparam
+from .scalars import hyperparam, scalar
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
@@ -32,7 +33,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """
     check_hyperparam("clip_by_global_norm", "max_norm", max_norm)
 
-    def init(params, **extra):
+    def init(params, *, context: ShardContext | None = None):
         return ClipByGlobalNormState(hyperparam(max_norm, params))
 
     def update(updates, state, params=None, *, grad_norm=None, **extra):

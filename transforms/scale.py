@@ -6,7 +6,8 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, check_hyperparam, hyperparam, masked, scalar
+from .base import GradientTransformation, ShardContext, check_hyperparam, masked
+from .scalars import hyperparam, scalar, zero_count
 
 __all__ = ["ScaleByLearningRateState", "AddDecayedWeightsState", "scale_by_learning_rate", "add_decayed_weights"]
 
@@ -38,8 +39,8 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
     if callable(lr):
         schedule = lr
 
-        def init(params, **extra):
-            return ScaleByScheduleState(torch.zeros((), dtype=torch.int32, device=optree.tree_leaves(params)[0].device))
+        def init(params, *, context: ShardContext | None = None):
+            return ScaleByScheduleState(zero_count(params))
 
         def update(updates, state, params=None, **extra):
             rate = scalar(torch.as_tensor(schedule(state.count)))
@@ -49,7 +50,7 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
 
     check_hyperparam("scale_by_learning_rate", "lr", lr)
 
-    def init(params, **extra):
+    def init(params, *, context: ShardContext | None = None):
         return ScaleByLearningRateState(hyperparam(lr, params))
 
     def update(updates, state, params=None, **extra):
@@ -62,13 +63,14 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
 def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
     """``u -> u + weight_decay * p`` (decoupled decay when followed by ``scale_by_learning_rate``).
 
-    ``mask``: decay only where True (see ``masked``). ``weight_decay`` must be finite and >= 0,
+    ``mask``: decay only where True: a pytree of bools like the params pytree, or a callable on
+    it (see ``masked``). ``weight_decay`` must be finite and >= 0,
     else ``ValueError``."""
     check_hyperparam("add_decayed_weights", "weight_decay", weight_decay)
     if mask is not None:
         return masked(add_decayed_weights(weight_decay), mask)
 
-    def init(params, **extra):
+    def init(params, *, context: ShardContext | None = None):
         return AddDecayedWeightsState(hyperparam(weight_decay, params))
 
     def update(updates, state, params=None, **extra):

@@ -6,7 +6,8 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, chain, check_hyperparam, hyperparam, scalar
+from .base import GradientTransformation, ShardContext, chain, check_hyperparam
+from .scalars import hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 
 __all__ = ["TraceState", "trace", "sgd"]
@@ -27,7 +28,7 @@ def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
     first-step ``b = g``. ``momentum`` must be finite and >= 0, else ``ValueError``."""
     check_hyperparam("trace", "momentum", momentum)
 
-    def init(params, **extra):
+    def init(params, *, context: ShardContext | None = None):
         return TraceState(optree.tree_map(torch.zeros_like, params), hyperparam(momentum, params))
 
     def update(updates, state, params=None, **extra):
@@ -41,6 +42,7 @@ def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
 
 def sgd(lr=1e-3, momentum: float = 0.0, *, nesterov: bool = False, weight_decay: float = 0.0, weight_decay_mask=None):
     r"""torch.optim.SGD: ``g += wd * p`` (coupled L2), momentum, ``p -= lr * update``.
+    ``weight_decay_mask``: the leaves that decay, as in ``adamw``.
 
     Invalid values raise ``ValueError`` here, as in torch.optim.SGD: a float ``lr``,
     ``momentum`` and ``weight_decay`` must be finite and >= 0; ``nesterov`` needs momentum > 0."""

@@ -1,0 +1,283 @@
+"""Sharded checkpoints that survive crashes, never mix two saves, and load at any world size.
+
+API (every function but ``read_manifest`` is collective: call it on every rank of the engine's
+group)::
+
+    save(path, params, state, scaler_state, engine, *, extra=None) -> None
+    load(path, engine, *, verify=True, hyperparams="engine") -> (params, state, scaler_state, extra)
+    export_full(path, params_or_state, engine) -> None
+    read_manifest(path) -> dict                      # any process, no group needed
+
+A checkpoint is a directory of immutable snapshots and a pointer to the current one; a save
+writes a new snapshot, then commits it by atomically replacing the pointer (the protocol, and
+what a crash at each point leaves: :mod:`fzero.checkpoint.commit`). A snapshot holds one
+safetensors file per rank and ``manifest.json`` (:mod:`fzero.checkpoint.manifest`). Each
+rank's file holds the real elements of its shard in *global* coordinates -- ranges of the
+params' leaves concatenated in tree order, without padding -- so a load at any world size,
+alignment or bucketing reads, from each old file, only the ranges its new shard needs
+(:mod:`fzero.checkpoint.reshard`). The manifest, the pointer and the marker are small strict JSON
+files, checked field by field when read (:mod:`fzero.checkpoint.strict_json`).
+
+0-d leaves (step counts, hyperparameters, the loss-scale state) are identical on every rank;
+rank 0's values are stored in the manifest as exact JSON numbers with their dtype. Params are
+not stored: they are the all-gather of the master cast to ``param_dtype`` -- exactly what every
+step computes -- so ``load`` rebuilds them bit for bit. The manifest's ``step`` is
+``extra["step"]`` when the save was given one.
+
+**Why safetensors per rank, not torch.distributed.checkpoint (DCP) or a new format.**
+
+* DCP reshards ``DTensor``/``ShardedTensor`` chunks. fzero's shards are padded, 64-aligned
+  element ranges of a flat buffer whose padded size changes with the world size, packed in
+  buckets: they are neither ``DTensor``'s ``torch.chunk`` pattern (``Shard(0)`` of ``[P]`` puts
+  ``ceil(P/N)`` elements per rank) nor a fixed global shape, so they would have to be
+  described as ``ShardedTensor`` metadata (deprecated in torch) or copied into a re-chunked
+  ``DTensor`` on every save and load. DCP also writes its ``.metadata`` file with
+  ``pickle.dump`` and reads it with ``pickle.load`` (``torch/distributed/checkpoint/filesystem.py``),
+  which this format must not contain, and it writes into the target directory in place, so
+  overwriting a checkpoint is not atomic.
+* safetensors is a plain, pickle-free container (8-byte header length, JSON header, raw
+  little-endian bytes) readable from Rust/NumPy/JAX, with ranged, memory-mapped reads through
+  ``get_slice`` -- the primitive DCP's own ``HuggingFaceStorageReader`` uses for resharding.
+  One file per rank means every rank writes in parallel and no two ranks touch a file.
+* What is hand-written is only the small JSON manifest (layout, segments, scalars,
+  checksums) and the commit protocol; no tensor bytes are in a home-made format.
+
+**Errors are agreed.** Every phase that may fail on some ranks (filesystem errors, a missing,
+truncated or corrupted shard, a checkpoint of another model) ends with one small
+``all_gather_object`` of each rank's error (or ``None``); if any rank failed, *every* rank
+raises the same :class:`CheckpointError`, naming the rank(s), the file and, for a model or
+state mismatch, the leaf. No rank is left waiting in a collective for a rank that gave up.
+A rank that dies outright ends the others' wait through the process group (gloo reports the
+closed connection at once; NCCL through its timeout/watchdog).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from typing import Any, Callable
+
+import optree
+import torch
+
+from ..engine import Engine, ZeroState, cast_params
+from ..flat import Layout, leaf_paths, unflatten
+from ..scaler import LossScaleState
+from . import commit, manifest, reshard
+from .commit import _need_safetensors, _no_hook
+from .manifest import FORMAT
+from .strict_json import VERSION, CheckpointError, _dtype_name
+
+__all__ = ["CheckpointError", "save", "load", "export_full", "read_manifest", "FORMAT", "VERSION"]
+
+EXPORT_FORMAT = "fzero-export"
+HYPERPARAMS_FROM = ("engine", "checkpoint")
+
+
+def _agree(comm, what: str, fn: Callable[[], Any], *, gather: bool = False):
+    """Run ``fn`` on every rank, then one ``all_gather_object`` of each rank's error (and, with
+    ``gather``, its small picklable result). If any rank failed, every rank raises the same
+    :class:`CheckpointError` naming the failing ranks. Returns this rank's result, or with
+    ``gather`` the list of every rank's. ``what`` names the phase in errors."""
+    try:
+        result, err, exc = fn(), None, None
+    except Exception as e:  # noqa: BLE001 -- reported to every rank, then raised
+        result, err, exc = None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}", e
+    if comm.world_size == 1:
+        if exc is not None:
+            if isinstance(exc, CheckpointError):
+                raise exc
+            raise CheckpointError(err) from exc
+        return [result] if gather else result
+    try:
+        gathered = comm.all_gather_object((err, result if gather else None))
+    except Exception as e:  # noqa: BLE001 -- a dead rank, a timeout: the group itself failed
+        raise CheckpointError(
+            f"{what}: rank {comm.rank} could not agree with the other ranks (did one die?): {type(e).__name__}: {e}"
+        ) from (exc or e)
+    failed: dict[str, list[int]] = {}
+    for rank, (e, _) in enumerate(gathered):
+        if e is not None:
+            failed.setdefault(e, []).append(rank)
+    if failed:
+        msg = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in failed.items())
+        raise CheckpointError(f"{what}: {msg}") from exc
+    return [r for _, r in gathered] if gather else result
+
+
+def _ready(engine: Engine):
+    if engine.layout is None:
+        raise RuntimeError("fzero.checkpoint needs an engine after engine.init (it supplies the layout)")
+    comm = engine.comm
+    if getattr(comm, "simulated", False):
+        raise RuntimeError("cannot checkpoint a simulated engine (zero1(simulate=...))")
+    comm.check_unchanged()
+    return engine.layout, comm
+
+
+def _check_params(params, layout: Layout) -> None:
+    if optree.tree_structure(params) != layout.treespec:
+        raise CheckpointError("params do not have the structure the engine was initialized with")
+
+
+def _check_save_args(params, state, scaler_state, layout: Layout, extra) -> tuple:
+    if not isinstance(state, ZeroState):
+        raise CheckpointError(f"state must be the ZeroState from engine.init/step, got {type(state).__name__}")
+    _check_params(params, layout)
+    if not isinstance(scaler_state, LossScaleState):
+        raise CheckpointError(f"scaler_state must be the LossScaleState from engine.init/step, got {type(scaler_state).__name__}")
+    names, leaves, _ = leaf_paths(state)
+    kinds = manifest._classify(names, leaves, layout.shard_numel)
+    return names, leaves, kinds, manifest._extra_json(extra)
+
+
+def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engine: Engine, *,
+         extra: dict | None = None, _hook: Callable = _no_hook) -> None:
+    """Save a checkpoint of ``(state, scaler_state)`` to the directory ``path``; collective.
+
+    Writes a new snapshot directory inside ``path`` (each rank the real elements of its own
+    shard of every ``[S]`` state leaf, one safetensors file per rank, in parallel; rank 0 then
+    ``manifest.json``: layout, 0-d leaves, loss-scale state, ``extra``, sha256 of each file),
+    then atomically points ``path/current.json`` at it and deletes the snapshots older than the
+    previous one (see :mod:`fzero.checkpoint.commit`). A crash at any point leaves the previous
+    checkpoint loadable. ``path`` may be missing, an empty directory or an fzero checkpoint
+    directory; anything else raises ``CheckpointError``. ``params`` are not stored (they are the
+    master cast to ``param_dtype``); they are checked against the layout. ``extra``: a small
+    dict of strict JSON (no NaN or infinity; rank 0's is saved), e.g. the data loader's
+    position; its ``"step"``, if any, must be an integer >= 0 and becomes the manifest's
+    ``step``.
+    """
+    layout, comm = _ready(engine)
+    path = os.path.abspath(os.fspath(path))
+    rank, n, what = comm.rank, comm.world_size, f"save {path}"
+    names, leaves, kinds, extra_text = _agree(comm, what, lambda: _check_save_args(params, state, scaler_state, layout, extra))
+    snapshot = _agree(comm, what, lambda: commit._begin(path, _hook) if rank == 0 else None, gather=True)[0]
+    directory, committed = os.path.join(path, snapshot), []
+    try:
+        owned = layout.owned(rank)
+        files = _agree(
+            comm, what, lambda: commit._write_shard(directory, rank, n, names, leaves, kinds, owned, _hook), gather=True
+        )
+
+        def finish():
+            if rank == 0:
+                m = manifest._manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, files)
+                digest = commit._write_manifest(directory, m, _hook)
+                commit._commit(path, snapshot, digest, _hook)
+                committed.append(snapshot)
+
+        _agree(comm, what, finish)
+    except CheckpointError:
+        if rank == 0 and not committed:  # the pointer still names the previous snapshot
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
+def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engine", _hook: Callable = _no_hook):
+    """Load the checkpoint at ``path`` into ``engine``'s layout; collective.
+
+    ``engine`` must have been ``init``-ed with params of the same model (a fresh init is fine),
+    at any world size, alignment or bucketing. Returns new ``(params, state, scaler_state,
+    extra)``: the state holds this rank's shard of the saved global master/moments/masks and
+    the saved 0-d leaves; ``params`` are the all-gather of the master cast to the engine's
+    ``param_dtype``. The loss-scale state is restored, except that a static (or no) loss
+    scale keeps the engine's own fixed scale.
+
+    ``hyperparams``: where the hyperparameters come from -- the 0-d state leaves named in a
+    state NamedTuple's ``HYPERPARAMS`` (``lr``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
+    ``max_norm``, ``momentum``; see ``transforms.iter_hyperparams``). ``"engine"`` (default):
+    the engine's own, i.e. the values its transform was built with, so a resumed run uses the
+    hyperparameters its code gives; one ``UserWarning`` (on rank 0) lists every one that differs
+    from the checkpoint's (name, checkpoint value, engine value). ``"checkpoint"``: the saved
+    ones (including values changed with ``transforms.set_hyperparams`` during training). Any
+    other value raises ``ValueError``. Counts, moments, masks and the master always come from
+    the checkpoint.
+
+    Every rank reads the snapshot that ``path/current.json`` named when rank 0 read it, so the
+    result is one save's, even while another process saves to ``path``; if that snapshot is
+    deleted before the load is done (two later saves), ``CheckpointError`` ("replaced while
+    loading"). A manifest with a value out of its range or type raises ``CheckpointError``
+    naming the field.
+
+    ``verify``: check the sha256 of every shard file first, each file hashed by one rank (the
+    one that reads most of it). Each rank then reads only the element ranges of the old files
+    that overlap its new shard.
+    """
+    if hyperparams not in HYPERPARAMS_FROM:
+        raise ValueError(f"hyperparams must be one of {HYPERPARAMS_FROM}, got {hyperparams!r}")
+    _need_safetensors()
+    layout, comm = _ready(engine)
+    path = os.path.abspath(os.fspath(path))
+    rank, what = comm.rank, f"load {path}"
+    snapshot, digest = _agree(comm, what, lambda: commit._resolve(path) if rank == 0 else None, gather=True)[0]
+    _hook("resolved", snapshot=snapshot)
+    m, t = _agree(comm, what, lambda: reshard._open_snapshot(path, snapshot, digest, engine, layout))
+    if verify:
+        owned = [layout.owned(r) for r in range(layout.world_size)]
+        _agree(comm, what, lambda: reshard._check_sums(path, snapshot, m["files"], owned, rank))
+    _hook("verified", snapshot=snapshot)
+    leaves, scaler, differ = _agree(
+        comm, what, lambda: reshard._read_state(path, snapshot, m, t, layout.owned(rank), engine, hyperparams)
+    )
+    if differ and hyperparams == "engine" and rank == 0:
+        listed = "; ".join(f"{name}: checkpoint {saved!r}, engine {mine!r}" for name, saved, mine in differ)
+        warnings.warn(f"load {path}: hyperparameters differ from the checkpoint's, the engine's take effect "
+                      f"(load(..., hyperparams=\"checkpoint\") restores the saved ones): {listed}", stacklevel=2)
+    state = t.spec.unflatten(leaves)
+    with torch.no_grad():
+        shard = cast_params(state.master, engine.param_dtype, copy=True).to(engine.device)
+        params = unflatten(comm.all_gather(shard, layout), layout)
+    return params, state, scaler, m["extra"]
+
+
+def read_manifest(path) -> dict:
+    """The parsed, validated manifest of the checkpoint at ``path`` (the snapshot its
+    ``current.json`` names); no process group needed."""
+    path = os.path.abspath(os.fspath(path))
+    return reshard._read_snapshot_manifest(path, *commit._resolve(path))
+
+
+def export_full(path, params_or_state, engine: Engine) -> None:
+    """Write one consolidated safetensors file at ``path``, keyed by leaf path
+    (``"blocks/0/attn/qkv_w"``): the FP32 master weights when given the ``ZeroState`` (an
+    all-gather: call on every rank), or the ``param_dtype`` params when given the params.
+    Rank 0 writes it (to a temporary file, then an atomic rename); collective.
+
+    For an ``nn.Module``: ``module.load_state_dict({k.replace("/", "."): v for k, v in
+    safetensors.torch.load_file(path).items()})``.
+    """
+    _need_safetensors()
+    layout, comm = _ready(engine)
+    path = os.path.abspath(os.fspath(path))
+    if isinstance(params_or_state, ZeroState):
+        master = params_or_state.master
+        if master.shape != (layout.shard_numel,):
+            raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
+        with torch.no_grad():
+            flat = comm.all_gather(master.detach().to(engine.device), layout)
+        leaves = optree.tree_leaves(unflatten(flat, layout))
+        kind = "master"
+    else:
+        _check_params(params_or_state, layout)
+        leaves = optree.tree_leaves(params_or_state)
+        kind = "params"
+
+    def write():
+        if comm.rank != 0:
+            return None
+        tensors = {p: leaf.detach().to("cpu").clone().contiguous() for p, leaf in zip(layout.paths, leaves)}
+        meta = {"format": EXPORT_FORMAT, "kind": kind, "dtype": _dtype_name(leaves[0].dtype)}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            commit.save_file(tensors, tmp, metadata=meta)
+            commit._sha256(tmp, fsync=True)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        commit._fsync_dir(os.path.dirname(path))
+        return None
+
+    _agree(comm, f"export_full {path}", write)

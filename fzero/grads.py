@@ -1,0 +1,173 @@
+"""Gradients: the two forms the step reduces from, and the ways to build them.
+
+What a user passes as ``grads`` is converted once, at the door (``GradPath.to_form``), into
+one of two forms, each with its micro-batch count:
+
+* ``Unreduced(buckets, count)``: this rank's grads, one ``[N*S_b]`` buffer per bucket, summed
+  over ``count`` micro-batches -- from a grads pytree (laid out by ``fzero.flat``), the grad of
+  the flat buffer (``flat_params``), or a stage-1 ``Accumulated`` (its FP32 ``[N*S]`` sum);
+* ``Reduced(shard, factor, count)``: this rank's ``[S]`` shard, already reduced over ranks:
+  ``shard * factor`` is the sum over ``count`` micro-batches of the mean over ranks -- from
+  ``grad_and_value`` (reduce-scattered inside backward, see ``fzero.backward``) or a stage-2
+  ``Accumulated``.
+
+``GradPath.reduce`` turns either into ``Reduced`` (one reduce-scatter per bucket for the first).
+The ``factor`` (``Comm.mean_factor``) stays separate so that the step folds it into its one FP32
+multiply with the unscale and the 1/count.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Union
+
+import torch
+
+from . import backward, checks
+from .comm import Comm, SimulatedComm
+from .flat import Layout, concat, flatten_buckets, split_buckets, unflatten
+
+__all__ = ["Accumulated", "Unreduced", "Reduced", "GradPath"]
+
+
+class Accumulated(NamedTuple):
+    """Gradients summed over ``count`` micro-batches (see ``Engine.accumulate``).
+
+    ``grads``: this rank's (scaled) grads summed over micro-batches: the FP32 flat ``[N*S]``
+    buffer (stage 1 ``accumulate``, 4P bytes), or this rank's ``[S]`` shard already summed
+    over ranks (stage 2 ``accumulate``, 4P/N bytes; or one micro-batch from
+    ``grad_and_value``). ``count``: 0-d int32 number of micro-batches in the sum."""
+
+    grads: torch.Tensor
+    count: torch.Tensor
+
+
+class Unreduced(NamedTuple):
+    """This rank's grads, one ``[N*S_b]`` buffer per bucket, summed over ``count`` micro-batches."""
+
+    buckets: list[torch.Tensor]
+    count: torch.Tensor | int
+
+
+class Reduced(NamedTuple):
+    """This rank's ``[S]`` shard reduced over ranks: ``shard * factor`` is the sum over ``count``
+    micro-batches of the mean over ranks."""
+
+    shard: torch.Tensor
+    factor: float
+    count: torch.Tensor | int
+
+
+Form = Union[Unreduced, Reduced]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradPath:
+    """Everything that turns this rank's grads into its reduced shard, fixed at ``init``.
+
+    ``reduce_dtype``: the dtype grads are reduced in (the param dtype at world size 1: nothing
+    is summed, and the step's FP32 cast then fuses); ``stage``: 1 or 2 (see ``accumulate``)."""
+
+    layout: Layout
+    comm: Comm | SimulatedComm
+    device: torch.device
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    stage: int
+
+    # ------------------------------------------------------------------ the door
+    def check(self, x: Any, what: str) -> bool:
+        """Validate params or grads (``what``), given as the flat ``[N*S]`` buffer or as a pytree
+        like the params, against the layout, device and param dtype; return whether ``x`` is flat."""
+        flat = isinstance(x, torch.Tensor) and x.shape == (self.layout.padded_numel,)
+        check = checks.check_flat if flat else checks.check_like_layout
+        check(x, self.layout, what=what, device=self.device, dtype=self.param_dtype)
+        return flat
+
+    def buckets(self, grads: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+        """A grads pytree or flat buffer, checked, as one ``[N*S_b]`` buffer per bucket in
+        ``dtype`` (views of a flat buffer already in ``dtype``)."""
+        if self.check(grads, "grads"):  # d(loss)/d(flat buffer): already laid out
+            return [x.to(dtype) for x in split_buckets(grads, self.layout)]
+        return flatten_buckets(grads, self.layout, dtype=dtype)
+
+    def to_form(self, grads: Any) -> Form:
+        """What a user passes to ``step`` as grads, as ``Unreduced`` or ``Reduced``."""
+        if not isinstance(grads, Accumulated):
+            return Unreduced(self.buckets(grads, self.reduce_dtype), 1)
+        if self._check_accumulated(grads):
+            return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count)
+        return Unreduced(split_buckets(grads.grads, self.layout), grads.count)
+
+    def _check_accumulated(self, acc: Accumulated) -> bool:
+        """An ``Accumulated`` sum must be this rank's reduced ``[S]`` shard or the unreduced
+        ``[N*S]`` flat grads of this layout; return whether it is reduced."""
+        S, full = self.layout.shard_numel, self.layout.padded_numel
+        g = acc.grads
+        if not isinstance(g, torch.Tensor) or g.shape not in ((S,), (full,)) or not g.is_floating_point():
+            got = f"shape {tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
+            raise ValueError(f"Accumulated grads are {got}; this engine takes a reduced shard ({S},) or unreduced "
+                             f"flat grads ({full},), floating point: a sum from another engine?")
+        if not isinstance(acc.count, torch.Tensor) or acc.count.ndim != 0:
+            raise ValueError(f"Accumulated count must be a 0-d tensor, got {acc.count!r}")
+        return g.shape == (S,)
+
+    def reduce(self, form: Form) -> Reduced:
+        """This rank's reduced shard (a reduce-scatter per bucket for ``Unreduced`` grads)."""
+        if isinstance(form, Reduced):
+            return form
+        shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout)
+        return Reduced(shard, factor, form.count)
+
+    # ------------------------------------------------------------------ micro-batches
+    def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:
+        """Add one micro-batch's grads to ``acc`` (``None`` starts a new sum); pass the result
+        to ``step`` in place of grads for one update over all micro-batches.
+
+        Stage 1 keeps an FP32 buffer of the full padded size (4P bytes per rank) and
+        reduce-scatters once, in ``step``. Stage 2 reduce-scatters every micro-batch and sums
+        only this rank's shard in FP32 (4P/N bytes). Keep the loss scale fixed while
+        accumulating (it only changes in ``step``): an inf/NaN in any micro-batch makes the sum
+        non-finite, so the whole update is skipped."""
+        if acc is not None and not isinstance(acc, Accumulated):
+            raise TypeError(f"acc must be None or the Accumulated from accumulate, got {type(acc).__name__}")
+        if acc is not None:
+            self._check_accumulated(acc)
+        if isinstance(grads, Accumulated):  # one micro-batch reduced already (grad_and_value): add shards
+            self._check_accumulated(grads)
+            part, count = grads.grads.float(), grads.count
+        else:
+            count = torch.ones((), dtype=torch.int32, device=self.device)
+            if self.stage == 2:  # reduce-scatter every micro-batch, keep this rank's FP32 shard of the sum
+                part = self.comm.reduce_scatter_mean(self.buckets(grads, self.reduce_dtype), self.layout)[0].float()
+            else:  # the FP32 [N*S] sum, reduced once, in step
+                part = concat(self.buckets(grads, torch.float32))
+        if acc is None:
+            return Accumulated(part, count)
+        if acc.grads.shape != part.shape:
+            raise ValueError(f"cannot add grads of shape {tuple(part.shape)} to a sum of shape "
+                             f"{tuple(acc.grads.shape)}: accumulate either reduced shards or unreduced grads")
+        return Accumulated(acc.grads + part, acc.count + count)
+
+    def grad_and_value(self, fn: Callable, params: Any, args: tuple, kwargs: dict, *, has_aux: bool,
+                       overlap: bool) -> tuple[Accumulated, Any]:
+        """``torch.func.grad_and_value(fn)(params, *args, **kwargs)``, with each bucket's
+        reduce-scatter started *inside* backward, as soon as that bucket's grads exist (see
+        ``fzero.backward``): communication overlaps the rest of backward.
+
+        Returns ``(grads, value)``: ``params`` as from ``init``/
+        ``step`` (pytree or flat buffer), ``fn(params, ...)`` returns the (scaled) 0-d loss, or
+        ``(loss, aux)`` with ``has_aux``; ``grads`` is an ``Accumulated`` of this rank's ``[S]``
+        reduced shard for ``step`` (or ``accumulate``, which then adds shards: 4P/N bytes at
+        any stage). ``overlap=False`` waits for each bucket inside backward instead (same
+        results bitwise; for measuring). Eager only; under ``torch.compile`` differentiate
+        the whole step with ``flat_params``."""
+        if self.check(params, "params"):
+            params = unflatten(params, self.layout)
+        comm, layout = self.comm, self.layout
+
+        def start(buf: torch.Tensor, i: int) -> torch.Tensor:  # buf: [N*S_b] grads in reduce_dtype, ours
+            return comm.start_mean(buf, i, layout, wait=not overlap)
+
+        shard, value = backward.grad_and_value(fn, params, layout, start, comm.wait, args, kwargs,
+                                               dtype=self.reduce_dtype, has_aux=has_aux)
+        return Accumulated(shard, torch.ones((), dtype=torch.int32, device=self.device)), value
