@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, in one script that fits the device tool's 8-minute budget (one H200):
+# The GPU checks, in one script of about 8 minutes on one H200:
 # the optimizer-step table at 1e9 elements, the memory table (with CPU offload's device bytes and
 # step time), the no-host-sync check and the
 # GPT-2-small throughput comparison. Results land in $OUT (default benchmarks/results/gpu).

@@ -197,7 +197,7 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
-        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments, 1/{world} each); "
+        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments + the decay mask, 1/{world} each); "
               f"{len(engine.layout.buckets)} communication bucket(s)")
     log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
 
