@@ -182,7 +182,8 @@ class Engine:
         checks.check_state(state, scaler_state, ZeroState, layout.shard_numel, b.tx_leaves, b.tx_spec)
         scale = scaler_state.scale
 
-        # 1. Reduce: this rank's [S] shard of the grads, summed over ranks (see fzero.grads).
+        # 1. Reduce: this rank's [S] shard of the grads over ranks; shard * factor is their mean
+        #    (the user's grads take one of two forms at the door, see fzero.grads).
         reduced = path.reduce(path.to_form(grads))
 
         # 2. Mean over ranks and micro-batches, unscaled, in one FP32 multiply.
