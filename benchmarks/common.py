@@ -45,3 +45,23 @@ def table(rows: list[list], header: list[str]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
     return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+
+
+def classic_step(p16: list, g16: list, *, fused: bool):
+    """The classic mixed-precision recipe as a step function: FP32 master copies of the FP16
+    params ``p16``; each step casts the FP16 grads ``g16`` up, unscales them with amp's kernel
+    (scale 2**16), runs ``torch.optim.AdamW`` (``fused``, else foreach) and copies back."""
+    dev = p16[0].device
+    master = [torch.nn.Parameter(p.float()) for p in p16]
+    opt = torch.optim.AdamW(master, lr=1e-4, fused=fused, foreach=not fused)
+    found_inf = torch.zeros(1, device=dev)
+    inv_scale = torch.full((1,), 1 / 65536.0, device=dev)
+
+    def step():
+        for m, g in zip(master, g16):
+            m.grad = g.float()
+        torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in master], found_inf, inv_scale)
+        opt.step()
+        torch._foreach_copy_(p16, master)
+
+    return step

@@ -28,6 +28,7 @@ fi
 run benchmarks/sync_check.py
 run benchmarks/step.py $STEP --json "$OUT/step.json"
 run benchmarks/plot.py "$OUT/step.json" -o "$OUT/step.png"
+run benchmarks/traffic.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda) --json "$OUT/traffic.json"
 run benchmarks/memory.py $MEM --json "$OUT/memory.json"
 LIMIT=240 run benchmarks/gpt_throughput.py $GPT
 echo "results in $OUT"

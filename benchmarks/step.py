@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 import transforms  # noqa: E402
-from common import hardware, median_time, table  # noqa: E402
+from common import classic_step, hardware, median_time, table  # noqa: E402
 
 
 def main(argv=None):
@@ -74,21 +74,10 @@ def main(argv=None):
     # classic: FP16 params + FP32 master, amp unscale + AdamW on master + copy back
     p16 = [rand(s, torch.float16) for s in sizes]
     g16 = [rand(s, torch.float16) for s in sizes]
-    master = [torch.nn.Parameter(p.float()) for p in p16]
-    fused = dev.type == "cuda"
-    opt = torch.optim.AdamW(master, lr=1e-4, fused=fused, foreach=not fused)
-    found_inf = torch.zeros(1, device=dev)
-    inv_scale = torch.full((1,), 1 / 65536.0, device=dev)
-
-    def classic():
-        for m, g in zip(master, g16):
-            m.grad = g.float()
-        torch._amp_foreach_non_finite_check_and_unscale_([m.grad for m in master], found_inf, inv_scale)
-        opt.step()
-        torch._foreach_copy_(p16, master)
+    classic = classic_step(p16, g16, fused=dev.type == "cuda")
 
     ms["classic FP16 + FP32 master (amp unscale, AdamW, copy)"] = bench(classic)
-    del p16, master, opt
+    del p16, classic
 
     # fzero, world size 1
     params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}

@@ -17,6 +17,7 @@ in ``fzero.update``, the loss scale in ``fzero.scaler``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import optree
@@ -29,7 +30,7 @@ from .comm import Comm, SimulatedComm
 from .flat import Layout, flat_buffer, leaf_paths, make_layout, per_leaf_shard, tree_shard, unflatten
 from .grads import Accumulated, GradPath
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
-from .update import cast_params, update_shard, write_into
+from .update import cast_params, owned_fp32, sum_of_squares, update_shard, write_into
 
 __all__ = ["ZeroState", "Accumulated", "Engine", "zero1", "cast_params"]
 
@@ -184,25 +185,33 @@ class Engine:
 
         # 1. Reduce: this rank's [S] shard of the grads over ranks; shard * factor is their mean
         #    (the user's grads take one of two forms at the door, see fzero.grads).
-        reduced = path.reduce(path.to_form(grads))
+        fused = self.tx.fused is not None and not torch.compiler.is_compiling()  # torch's kernel, eager
+        reduced = path.reduce(path.to_form(grads, fp32=fused))
 
-        # 2. Mean over ranks and micro-batches, unscaled, in one FP32 multiply.
-        g = reduced.shard.float() * scalar(reduced.factor / (scale * reduced.count))
+        # 2. Mean over ranks and micro-batches, unscaled, in one FP32 multiply -- or, fused, as the
+        #    kernel's grad_scale: it divides the grads by it inside its own pass (see fzero.update).
+        if fused:
+            grad_scale = scalar(scale * reduced.count / reduced.factor)
+            g = owned_fp32(reduced.shard, reduced.owned)
+        else:
+            grad_scale, g = None, reduced.shard.float() * scalar(reduced.factor / (scale * reduced.count))
 
         # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
         #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
         #    Squared and summed in float64: finite FP32 grads never overflow it (FP32 squares
         #    overflow above 1.8e19, which would pass for an inf).
-        sumsq = comm.all_reduce_sum(torch.linalg.vector_norm(g, dtype=torch.float64).square())
+        sumsq = sum_of_squares(g, math.gcd(self.alignment, 64))  # S is a multiple of the alignment
+        sumsq = comm.all_reduce_sum(sumsq / grad_scale.double().square() if fused else sumsq)
         found_inf = ~torch.isfinite(sumsq)
         norm = torch.sqrt(sumsq)
 
         # 4-6. Transform, skip if not finite, cast: on the FP32 shard (on the host with offload:
-        #      a blocking copy there), in cache-sized chunks when eager (see fzero.update).
+        #      a blocking copy there), with the fused kernel or in cache-sized chunks when eager.
         g, skip, norm_there = (x.to(b.state_device) for x in (g, found_inf, norm))
-        master, tx_state, shard = update_shard(self.tx, g, state.master, state.tx_state, skip, norm_there,
-                                               param_dtype=self.param_dtype, chunk_numel=self.chunk_numel,
-                                               donate=self.donate)
+        master, tx_state, shard = update_shard(
+            self.tx, g, state.master, state.tx_state, skip, norm_there, param_dtype=self.param_dtype,
+            grad_scale=grad_scale.to(b.state_device) if fused else None, chunk_numel=self.chunk_numel,
+            donate=self.donate)
 
         # 7. Gather everyone's cast shard into the new flat param buffer.
         new_params = comm.all_gather(shard.to(path.device, non_blocking=True), layout)

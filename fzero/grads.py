@@ -42,19 +42,23 @@ class Accumulated(NamedTuple):
 
 
 class Unreduced(NamedTuple):
-    """This rank's grads, one ``[N*S_b]`` buffer per bucket, summed over ``count`` micro-batches."""
+    """This rank's grads, one ``[N*S_b]`` buffer per bucket, summed over ``count`` micro-batches;
+    ``owned``: the buffers are new (laid out from a pytree), not the caller's tensors."""
 
     buckets: list[torch.Tensor]
     count: torch.Tensor | int
+    owned: bool
 
 
 class Reduced(NamedTuple):
     """This rank's ``[S]`` shard reduced over ranks: ``shard * factor`` is the sum over ``count``
-    micro-batches of the mean over ranks."""
+    micro-batches of the mean over ranks; ``owned``: ``shard`` is no caller's tensor, so the
+    step may overwrite it."""
 
     shard: torch.Tensor
     factor: float
     count: torch.Tensor | int
+    owned: bool
 
 
 Form = Union[Unreduced, Reduced]
@@ -90,13 +94,17 @@ class GradPath:
             return [x.to(dtype) for x in split_buckets(grads, self.layout)]
         return flatten_buckets(grads, self.layout, dtype=dtype)
 
-    def to_form(self, grads: Any) -> Form:
-        """What a user passes to ``step`` as grads, as ``Unreduced`` or ``Reduced``."""
+    def to_form(self, grads: Any, *, fp32: bool = False) -> Form:
+        """What a user passes to ``step`` as grads, as ``Unreduced`` or ``Reduced``. ``fp32``: at
+        world size 1 (nothing is summed) lay grads out in FP32 rather than the param dtype, for
+        a step that needs FP32 grads anyway (the fused kernel)."""
         if not isinstance(grads, Accumulated):
-            return Unreduced(self.buckets(grads, self.reduce_dtype), 1)
+            dtype = torch.float32 if fp32 and self.comm.world_size == 1 else self.reduce_dtype
+            owned = not isinstance(grads, torch.Tensor) or grads.dtype != dtype  # laid out or cast: new buffers
+            return Unreduced(self.buckets(grads, dtype), 1, owned)
         if self._check_accumulated(grads):
-            return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count)
-        return Unreduced(split_buckets(grads.grads, self.layout), grads.count)
+            return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count, False)
+        return Unreduced(split_buckets(grads.grads, self.layout), grads.count, False)
 
     def _check_accumulated(self, acc: Accumulated) -> bool:
         """An ``Accumulated`` sum must be this rank's reduced ``[S]`` shard or the unreduced
@@ -116,7 +124,7 @@ class GradPath:
         if isinstance(form, Reduced):
             return form
         shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout)
-        return Reduced(shard, factor, form.count)
+        return Reduced(shard, factor, form.count, form.owned or self.comm.world_size > 1)
 
     # ------------------------------------------------------------------ micro-batches
     def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:

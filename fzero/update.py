@@ -16,7 +16,7 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["update_shard", "cast_params", "write_into"]
+__all__ = ["update_shard", "sum_of_squares", "owned_fp32", "cast_params", "write_into"]
 
 
 def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False) -> torch.Tensor:
@@ -36,7 +36,8 @@ def write_into(old: Any, new: Any) -> Any:
     Under ``torch.compile`` inductor stores the step's results straight into the input
     buffers, so the FP32 state is never held twice."""
     for o, n in zip(optree.tree_leaves(old), optree.tree_leaves(new)):
-        o.copy_(n)
+        if o is not n:  # updated in place already (the fused kernel)
+            o.copy_(n)
     return old
 
 
@@ -49,15 +50,45 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype):
     return new_master, new_tx_state, cast_params(new_master, param_dtype)
 
 
-def update_shard(tx, g: torch.Tensor, master: torch.Tensor, tx_state: Any, skip: torch.Tensor, norm: torch.Tensor,
-                 *, param_dtype: torch.dtype, chunk_numel: int | None, donate: bool):
-    """``(master, tx_state, params shard)`` after one update of transform ``tx`` on the ``[S]``
-    shard: ``g`` the FP32 mean grads, ``skip`` 0-d bool (keep every old value), ``norm`` the
-    global grad norm (float64, for clipping).
+def sum_of_squares(g: torch.Tensor, row: int) -> torch.Tensor:
+    """``sum(g**2)`` as a 0-d float64, exact for every finite FP32 ``g`` (no square overflows,
+    as FP32 squares do above 1.8e19) and non-finite iff ``g`` holds an inf or NaN.
 
-    Eager on a CPU shard with ``chunk_numel``: chunk by chunk, written into full-size outputs
-    (the inputs' own buffers with ``donate``); 0-d state (the step count) is the same from
-    every chunk. Results do not depend on the chunking."""
+    Row by row: float64 norms of rows of ``row`` elements (a divisor of ``g.numel()``; a CPU
+    reduction of the whole vector in float64 casts element by element and runs ~5x slower),
+    then their squares summed."""
+    return torch.linalg.vector_norm(g.view(-1, row), dim=1, dtype=torch.float64).square().sum()
+
+
+def owned_fp32(shard: torch.Tensor, owned: bool) -> torch.Tensor:
+    """``shard`` in FP32 as a tensor the step may overwrite: a copy unless it is FP32 already
+    and ``owned`` (no caller holds it)."""
+    g = shard.float()
+    return g if owned or g is not shard else g.clone()
+
+
+def update_shard(tx, g: torch.Tensor, master: torch.Tensor, tx_state: Any, skip: torch.Tensor, norm: torch.Tensor,
+                 *, param_dtype: torch.dtype, grad_scale: torch.Tensor | None, chunk_numel: int | None, donate: bool):
+    """``(master, tx_state, params shard)`` after one update of transform ``tx`` on the ``[S]``
+    shard: ``skip`` 0-d bool (keep every old value), ``norm`` the global grad norm (float64,
+    for clipping). ``g``: the FP32 mean grads; with ``grad_scale`` (0-d FP32), the mean grads
+    times ``grad_scale``, overwritable, for ``tx.fused``.
+
+    ``tx.fused`` (torch's fused kernel: one pass over master, grads and moments) updates in
+    place: the inputs' own buffers with ``donate``, else copies of them. Otherwise -- or if it
+    declines -- the generic ``tx.update``; eager on a CPU shard with ``chunk_numel`` it runs
+    chunk by chunk, written into full-size outputs (the inputs' own buffers with ``donate``);
+    0-d state (the step count) is the same from every chunk. Results do not depend on the
+    chunking, and the two ways agree to float rounding."""
+    if grad_scale is not None:
+        # The kernel writes master and moments in place: without donate, into copies (0-d leaves
+        # are replaced, never written, and keep their host values).
+        copy = lambda x: x.clone() if isinstance(x, torch.Tensor) and x.ndim and x.is_floating_point() else x
+        mine = (master, tx_state) if donate else optree.tree_map(copy, (master, tx_state))
+        out = tx.fused(mine[0], g, mine[1], grad_scale=grad_scale, found_inf=skip, grad_norm=norm)
+        if out is not None and out[2]:
+            return mine[0], out[0], cast_params(mine[0], param_dtype)
+        g = g / grad_scale  # declined before touching anything: the generic update
     S = g.numel()
     chunk = chunk_numel if g.device.type == "cpu" else None  # CUDA: its caching allocator reuses memory
     if torch.compiler.is_compiling() or chunk is None or chunk >= S:

@@ -951,3 +951,17 @@ def test_no_warning_when_the_hyperparameters_agree(saved):
         warnings.simplefilter("always")
         ck.load(path, fresh_engine())
     assert [str(w.message) for w in caught] == []
+
+
+@pytest.mark.parametrize("hyperparams", ["engine", "checkpoint"])
+def test_a_loaded_state_keeps_the_fused_adamw_path(saved, hyperparams, monkeypatch):
+    """Loaded hyperparameters carry their host values, so the eager step still runs torch's
+    fused kernel (no device read for b1, b2, eps)."""
+    path, engine, params, state, ss = saved
+    calls, kernel = [], torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(1), kernel(*a, **k))[1])
+    fresh = fresh_engine()
+    p, s, sc, _ = ck.load(path, fresh, hyperparams=hyperparams)
+    assert all(transforms.host_value(t) is not None for _, t in transforms.iter_hyperparams(s.tx_state))
+    run_steps(fresh, p, s, sc, [7])
+    assert calls == [1]

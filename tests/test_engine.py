@@ -469,3 +469,75 @@ def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, don
     assert tree_equal(out[None][0], out[100][0]) and tree_equal(out[None][1], out[100][1])
     counts = [int(x) for x in optree.tree_leaves(out[100][1].tx_state) if x.dtype == torch.int32]
     assert counts and all(c == 4 for c in counts)  # 0-d state: advanced once per applied step, not per chunk
+
+
+# ---------------------------------------------------------------- the fused AdamW path
+def fused_and_generic(**adamw_kw):
+    """The standard recipe (clip + AdamW with a schedule) and the same without its fused step."""
+    tx = transforms.chain(transforms.clip_by_global_norm(2.0),
+                          transforms.adamw(lr=transforms.warmup_cosine_decay(0.0, 1e-2, 2, 20), weight_decay=0.1, **adamw_kw))
+    assert tx.fused is not None
+    return tx, tx._replace(fused=None)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Count the calls of torch's fused AdamW kernel (a spy on torch, not on fzero)."""
+    calls, kernel = [], torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(1), kernel(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask", [None, lambda p: optree.tree_map(lambda x: x.ndim > 1, p)])
+@pytest.mark.parametrize("kw", [dict(donate=True), dict(donate=False, simulate=(0, 2), bucket_bytes=64)])
+def test_fused_adamw_step_equals_the_generic_step_and_skips_the_same(param_dtype, mask, kw, fused_calls):
+    p0 = odd_params()
+    scale = 2.0**8 if param_dtype == torch.float16 else 1.0
+    seq = [optree.tree_map(lambda g: (g * scale).to(param_dtype), grads_like(p0, i)) for i in range(5)]
+    seq[2] = optree.tree_map(lambda g: torch.full_like(g, float("inf")), seq[2])  # step 2 overflows on every rank: skipped
+    results = []
+    for tx in fused_and_generic(weight_decay_mask=mask):
+        engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=fzero.StaticLossScale(scale), **kw)
+        params, state, ss = engine.init(p0)
+        kept = [x.clone() for x in (state.master, state.tx_state[1][0].mu, state.tx_state[1][0].nu)]
+        for i, g in enumerate(seq):
+            before = optree.tree_map(torch.clone, state)
+            params, state, ss, info = engine.step(params, g, state, ss)
+            assert bool(info["found_inf"]) == (i == 2)
+            if i == 2:  # a skipped step keeps every state tensor bitwise
+                assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(state)))
+            if i == 0 and not kw["donate"]:  # pure: the inputs are untouched
+                assert all(torch.equal(a, b) for a, b in zip(kept, optree.tree_leaves(before)[:1] + [before.tx_state[1][0].mu, before.tx_state[1][0].nu]))
+        results.append((params, state, info))
+    assert len(fused_calls) == 5  # the first engine ran fused (the skipped step too: a no-op inside the kernel)
+    (pf, sf, inf_f), (pg, sg, inf_g) = results
+    for a, b in zip(optree.tree_leaves(sf), optree.tree_leaves(sg)):
+        if a.is_floating_point() and a.ndim:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(a, b)  # counts (4 applied updates of 5), masks, hyperparameters
+    assert int(sf.tx_state[1][0].count) == 4
+    tree_assert_close(pf, pg, rtol=1e-2 if param_dtype != torch.float32 else 1e-6, atol=1e-3 if param_dtype != torch.float32 else 1e-7)
+    torch.testing.assert_close(inf_f["grad_norm"], inf_g["grad_norm"], rtol=1e-6, atol=0)
+
+
+def test_fused_path_takes_new_hyperparameters_and_declines_without_host_values(fused_calls):
+    p0 = odd_params()
+    grads = optree.tree_map(lambda g: g.half(), grads_like(p0, 0))
+    out = []
+    for tx in fused_and_generic():
+        engine = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=None)
+        params, state, ss = engine.init(p0)
+        state = state._replace(tx_state=transforms.set_hyperparams(state.tx_state, b2=0.9, weight_decay=0.5))
+        out.append(engine.step(params, grads, state, ss)[1].master)
+    assert len(fused_calls) == 1
+    torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-7)
+    # a hyperparameter made by arithmetic carries no host value: the generic update runs
+    engine = fzero.zero1(fused_and_generic()[0], param_dtype=torch.float16, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    adam = state.tx_state[1][0]
+    state = state._replace(tx_state=(state.tx_state[0], (adam._replace(b2=adam.b2 * 1.0), *state.tx_state[1][1:])))
+    master = engine.step(params, grads, state, ss)[1].master
+    assert len(fused_calls) == 1
+    torch.testing.assert_close(master, out[1], rtol=1e-6, atol=1e-7)

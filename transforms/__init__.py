@@ -22,7 +22,7 @@ from .base import (
     set_hyperparams,
 )
 from .clip import clip_by_global_norm, global_norm
-from .scalars import hyperparam, scalar
+from .scalars import host_value, hyperparam, scalar, with_host_value
 from .scale import add_decayed_weights, scale_by_learning_rate
 from .schedules import constant, cosine_decay, linear, linear_warmup, warmup_cosine_decay
 from .sgd import sgd, trace
@@ -49,6 +49,8 @@ __all__ = [
     "masked",
     "resolve_per_leaf",
     "scalar",
+    "host_value",
+    "with_host_value",
     "scale_by_adam",
     "scale_by_learning_rate",
     "set_hyperparams",

@@ -23,6 +23,8 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
+from .scalars import with_host_value
+
 __all__ = [
     "GradientTransformation",
     "ShardContext",
@@ -41,10 +43,20 @@ __all__ = [
 
 class GradientTransformation(NamedTuple):
     """``init(params, *, context=None) -> state``; ``update(updates, state, params=None,
-    **extra) -> (updates, state)`` (see the module docstring)."""
+    **extra) -> (updates, state)`` (see the module docstring).
+
+    ``fused`` (optional): the same transformation as one in-place step with one of torch's fused
+    kernels, for callers that hold the params as one flat FP32 tensor (fzero's engine, eager):
+    ``fused(params, grads, state, *, grad_scale, found_inf, grad_norm) -> (state, grad_scale,
+    applied)`` or ``None`` when it cannot run fused (then use ``update``). ``grads`` are FP32,
+    like ``params``, scaled by ``grad_scale`` (0-d FP32: the kernel divides by it, and may
+    overwrite ``grads``); ``found_inf`` (0-d bool) makes the step a no-op, as in ``update`` +
+    a select. A transform that only rescales the grads (clipping) returns ``applied=False`` and
+    a new ``grad_scale``; one that updates ``params``, ``applied=True``. ``chain`` composes them."""
 
     init: Callable[..., Any]
     update: Callable[..., tuple[Any, Any]]
+    fused: Callable[..., Any] | None = None
 
 
 class ShardContext(NamedTuple):
@@ -104,7 +116,20 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    def fused(params, grads, state, *, grad_scale, found_inf, grad_norm):
+        # Only the last transform may update the params; the ones before it rescale the grads.
+        new_state, applied = [], False
+        for tx, s in zip(txs, state):
+            out = None if applied else tx.fused(params, grads, s, grad_scale=grad_scale, found_inf=found_inf,
+                                                 grad_norm=grad_norm)
+            if out is None:
+                return None
+            s, grad_scale, applied = out
+            new_state.append(s)
+        return tuple(new_state), grad_scale, applied
+
+    every_fused = bool(txs) and all(tx.fused is not None for tx in txs)
+    return GradientTransformation(init, update, fused if every_fused else None)
 
 
 class MaskedState(NamedTuple):
@@ -223,9 +248,9 @@ def set_hyperparams(state, **values):
     unknown = set(values) - set(get_hyperparams(state))
     if unknown:
         raise KeyError(f"no hyperparameter(s) {sorted(unknown)} in state; have {sorted(get_hyperparams(state))}")
+    checked = {}
     for name, value in values.items():
-        if name in HYPERPARAM_RULES:
-            check_hyperparam("set_hyperparams", name, value)
+        checked[name] = check_hyperparam("set_hyperparams", name, value) if name in HYPERPARAM_RULES else float(value)
 
     def rebuild(node):
         if isinstance(node, tuple) and hasattr(node, "_fields"):
@@ -233,7 +258,8 @@ def set_hyperparams(state, **values):
             for name in getattr(type(node), "HYPERPARAMS", ()):
                 if name in values:
                     old = fields[name]
-                    fields[name] = torch.as_tensor(values[name], dtype=old.dtype, device=old.device).reshape(())
+                    new = torch.as_tensor(values[name], dtype=old.dtype, device=old.device).reshape(())
+                    fields[name] = with_host_value(new.clone() if new is values[name] else new, checked[name])
             return type(node)(**fields)
         if isinstance(node, (tuple, list)):
             return type(node)(rebuild(c) for c in node)

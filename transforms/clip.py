@@ -36,9 +36,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params, *, context: ShardContext | None = None):
         return ClipByGlobalNormState(hyperparam(max_norm, params))
 
+    def coefficient(state, norm):
+        return torch.clamp(state.max_norm / (norm.double() + 1e-6), max=1.0)
+
     def update(updates, state, params=None, *, grad_norm=None, **extra):
-        norm = global_norm(updates) if grad_norm is None else grad_norm
-        coef = scalar(torch.clamp(state.max_norm / (norm.double() + 1e-6), max=1.0))
+        coef = scalar(coefficient(state, global_norm(updates) if grad_norm is None else grad_norm))
         return optree.tree_map(lambda u: (u * coef).to(u.dtype), updates), state
 
-    return GradientTransformation(init, update)
+    def fused(params, grads, state, *, grad_scale, found_inf, grad_norm):
+        # Clipping multiplies the grads by coef: the kernel divides them by grad_scale / coef.
+        return state, grad_scale / scalar(coefficient(state, grad_norm)), False
+
+    return GradientTransformation(init, update, fused)

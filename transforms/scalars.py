@@ -8,7 +8,7 @@ from __future__ import annotations
 import optree
 import torch
 
-__all__ = ["scalar", "hyperparam", "zero_count", "first_device"]
+__all__ = ["scalar", "hyperparam", "host_value", "with_host_value", "zero_count", "first_device"]
 
 
 def scalar(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -35,8 +35,25 @@ def hyperparam(value: float, params) -> torch.Tensor:
 
     float64 so that ``0.999`` is 0.999 (as a Python float is in torch.optim): an fp32 ``b2``
     puts a 1.3e-5 relative error into ``1 - b2``. Only 0-d scalars are computed in float64;
-    they are cast to fp32 (``scalar``) before touching the ``[S]`` tensors."""
-    return torch.tensor(float(value), dtype=torch.float64, device=first_device(params))
+    they are cast to fp32 (``scalar``) before touching the ``[S]`` tensors.
+
+    The tensor remembers the Python number it was made from (``host_value``), so that a kernel
+    that takes hyperparameters as Python floats (torch's fused AdamW) gets them without reading
+    the device."""
+    return with_host_value(torch.tensor(float(value), dtype=torch.float64, device=first_device(params)), value)
+
+
+def with_host_value(t: torch.Tensor, value) -> torch.Tensor:
+    """``t`` (a 0-d tensor made from ``value``), marked with ``value`` for ``host_value``."""
+    t._host_value = float(value)
+    return t
+
+
+def host_value(t: torch.Tensor) -> float | None:
+    """The Python number a 0-d hyperparameter tensor was made from (by ``hyperparam``,
+    ``set_hyperparams`` or a checkpoint load), or ``None`` for any other tensor (e.g. one that
+    arithmetic produced). Reads no tensor memory: no device sync."""
+    return getattr(t, "_host_value", None)
 
 
 def zero_count(params) -> torch.Tensor:

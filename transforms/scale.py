@@ -1,7 +1,7 @@
 """Scaling by the learning rate and decoupled weight decay."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import optree
 import torch
@@ -9,7 +9,14 @@ import torch
 from .base import GradientTransformation, ShardContext, check_hyperparam, masked
 from .scalars import hyperparam, scalar, zero_count
 
-__all__ = ["ScaleByLearningRateState", "AddDecayedWeightsState", "scale_by_learning_rate", "add_decayed_weights"]
+__all__ = [
+    "ScaleByLearningRateState",
+    "AddDecayedWeightsState",
+    "scale_by_learning_rate",
+    "add_decayed_weights",
+    "learning_rate",
+    "next_learning_rate_state",
+]
 
 
 class ScaleByLearningRateState(NamedTuple):
@@ -32,6 +39,18 @@ class AddDecayedWeightsState(NamedTuple):
     HYPERPARAMS = ("weight_decay",)
 
 
+def learning_rate(lr, state) -> torch.Tensor:
+    """The 0-d learning rate the next update of ``scale_by_learning_rate(lr)`` applies, from
+    its ``state``: ``lr(count)`` for a schedule, else the state's ``lr``."""
+    return torch.as_tensor(lr(state.count)) if callable(lr) else state.lr
+
+
+def next_learning_rate_state(lr, state, count: Callable[[torch.Tensor], torch.Tensor]):
+    """``scale_by_learning_rate(lr)``'s state after an update: a schedule's count becomes
+    ``count(old count)``; a constant rate's state is unchanged."""
+    return ScaleByScheduleState(count(state.count)) if callable(lr) else state
+
+
 def scale_by_learning_rate(lr) -> GradientTransformation:
     """``u -> -lr * u``. ``lr``: a float (kept as a tensor in the state) or a schedule
     ``count -> lr`` (called with the 0-d int32 count of applied updates, before this one). A float
@@ -43,7 +62,7 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
             return ScaleByScheduleState(zero_count(params))
 
         def update(updates, state, params=None, **extra):
-            rate = scalar(torch.as_tensor(schedule(state.count)))
+            rate = scalar(learning_rate(schedule, state))
             return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), ScaleByScheduleState(state.count + 1)
 
         return GradientTransformation(init, update)
