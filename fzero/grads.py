@@ -43,7 +43,7 @@ class Accumulated(NamedTuple):
 
 class Unreduced(NamedTuple):
     """This rank's grads, one ``[N*S_b]`` buffer per bucket, summed over ``count`` micro-batches;
-    ``owned``: the buffers are new (laid out from a pytree), not the caller's tensors."""
+    ``owned``: the buffers are new (laid out from a pytree, or cast), not the caller's tensors."""
 
     buckets: list[torch.Tensor]
     count: torch.Tensor | int

@@ -346,3 +346,12 @@ def test_scalar_and_hyperparam_are_public():
     hp = T.hyperparam(0.999, tree())
     assert hp.dtype == torch.float64 and hp.ndim == 0 and hp.item() == 0.999
     assert {"ShardContext", "resolve_per_leaf", "scalar", "hyperparam"} <= set(T.__all__)
+
+
+def test_chain_is_fused_only_when_its_last_member_updates_the_params():
+    clip, adamw = T.clip_by_global_norm(1.0), T.adamw(lr=1e-3)
+    assert T.chain(clip, adamw).fused is not None
+    assert T.chain(T.chain(clip, adamw)).fused is not None
+    # adamw writes the params in place; the clip after it could not take that back
+    assert T.chain(adamw, clip).fused is None and T.chain(T.chain(clip, adamw), clip).fused is None
+    assert T.chain(clip).fused is not None and T.sgd(lr=0.1).fused is None

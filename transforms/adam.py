@@ -127,6 +127,7 @@ def adamw(
     def fused(params, grads, state, *, grad_scale, found_inf, grad_norm):
         return _fused_adamw(lr, params, grads, state, grad_scale=grad_scale, found_inf=found_inf)
 
+    fused.updates_params = True
     return tx._replace(fused=fused)
 
 

@@ -52,7 +52,9 @@ class GradientTransformation(NamedTuple):
     like ``params``, scaled by ``grad_scale`` (0-d FP32: the kernel divides by it, and may
     overwrite ``grads``); ``found_inf`` (0-d bool) makes the step a no-op, as in ``update`` +
     a select. A transform that only rescales the grads (clipping) returns ``applied=False`` and
-    a new ``grad_scale``; one that updates ``params``, ``applied=True``. ``chain`` composes them."""
+    a new ``grad_scale``; one that updates ``params`` (its function marked ``updates_params =
+    True``), ``applied=True``, and declines only before writing anything. ``chain`` composes
+    them when only its last member updates the params."""
 
     init: Callable[..., Any]
     update: Callable[..., tuple[Any, Any]]
@@ -117,19 +119,28 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_state)
 
     def fused(params, grads, state, *, grad_scale, found_inf, grad_norm):
-        # Only the last transform may update the params; the ones before it rescale the grads.
         new_state, applied = [], False
         for tx, s in zip(txs, state):
-            out = None if applied else tx.fused(params, grads, s, grad_scale=grad_scale, found_inf=found_inf,
-                                                 grad_norm=grad_norm)
-            if out is None:
+            out = tx.fused(params, grads, s, grad_scale=grad_scale, found_inf=found_inf, grad_norm=grad_norm)
+            if out is None:  # declined, and so did nothing: only the last may have updated the params
                 return None
             s, grad_scale, applied = out
             new_state.append(s)
         return tuple(new_state), grad_scale, applied
 
+    # A member that updates the params in place must be the last one: a member after it could
+    # still decline, with the params already written.
     every_fused = bool(txs) and all(tx.fused is not None for tx in txs)
-    return GradientTransformation(init, update, fused if every_fused else None)
+    if every_fused and not any(updates_params(tx.fused) for tx in txs[:-1]):
+        fused.updates_params = updates_params(txs[-1].fused)
+        return GradientTransformation(init, update, fused)
+    return GradientTransformation(init, update)
+
+
+def updates_params(fused) -> bool:
+    """Whether a ``fused`` form may update the params in place (marked ``updates_params = True``),
+    rather than only rescale the grads (clipping)."""
+    return getattr(fused, "updates_params", False)
 
 
 class MaskedState(NamedTuple):
