@@ -34,6 +34,13 @@ def median_time(fn, device: torch.device, *, iters: int = 20, warmup: int = 3) -
     return statistics.median(times)
 
 
+def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> float:
+    """Median over ``rounds`` of ``median_time(a) / median_time(b)``, the two alternated
+    (``iters`` runs each per round), so that drift in the machine's speed hits both."""
+    return statistics.median(median_time(a, device, iters=iters, warmup=1) / median_time(b, device, iters=iters, warmup=1)
+                             for _ in range(rounds))
+
+
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 import transforms  # noqa: E402
-from common import classic_step, hardware, median_time, table  # noqa: E402
+from common import paired_ratio, classic_step, hardware, median_time, table  # noqa: E402
 
 
 def main(argv=None):
@@ -107,9 +107,7 @@ def main(argv=None):
     # machine's speed hits both; the ratio is the median of per-round ratios.
     paired = None
     if {"fused", "fzero"} <= keep.keys():
-        rounds = [median_time(keep["fzero"], dev, iters=5, warmup=1) / median_time(keep["fused"], dev, iters=5, warmup=1)
-                  for _ in range(args.rounds)]
-        paired = statistics.median(rounds)
+        paired = paired_ratio(keep["fzero"], keep["fused"], dev, rounds=args.rounds)
     keep.clear()
 
     fused_ms = ms.get("torch AdamW(fused=True), FP32 params")

@@ -17,7 +17,6 @@ in ``fzero.update``, the loss scale in ``fzero.scaler``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import optree
@@ -28,9 +27,9 @@ from transforms import ShardContext, scalar
 from . import checks
 from .comm import Comm, SimulatedComm
 from .flat import Layout, flat_buffer, leaf_paths, make_layout, per_leaf_shard, tree_shard, unflatten
-from .grads import Accumulated, GradPath
+from .grads import Accumulated, GradPath, Segments
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
-from .update import cast_params, owned_fp32, sum_of_squares, update_shard, write_into
+from .update import cast_params, sum_of_squares, update_shard, write_into
 
 __all__ = ["ZeroState", "Accumulated", "Engine", "zero1", "cast_params"]
 
@@ -184,46 +183,57 @@ class Engine:
         scale = scaler_state.scale
 
         # 1. Reduce: this rank's [S] shard of the grads over ranks; shard * factor is their mean
-        #    (the user's grads take one of two forms at the door, see fzero.grads).
+        #    (the user's grads take one of two forms at the door, see fzero.grads). The eager
+        #    fused update reads it as Segments, chunk by chunk: at world size 1 the grad leaves.
         fused = self.tx.fused is not None and not torch.compiler.is_compiling()  # torch's kernel, eager
-        reduced = path.reduce(path.to_form(grads, fp32=fused))
+        reduced = path.reduce(path.to_form(grads, segments=fused))
 
         # 2. Mean over ranks and micro-batches, unscaled, in one FP32 multiply -- or, fused, as the
         #    kernel's grad_scale: it divides the grads by it inside its own pass (see fzero.update).
         if fused:
             grad_scale = scalar(scale * reduced.count / reduced.factor)
-            g = owned_fp32(reduced.shard, reduced.owned)
+            g = reduced.shard if isinstance(reduced.shard, Segments) else Segments.of(reduced.shard, reduced.owned)
         else:
             grad_scale, g = None, reduced.shard.float() * scalar(reduced.factor / (scale * reduced.count))
 
         # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
         #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
-        #    Squared and summed in float64: finite FP32 grads never overflow it (FP32 squares
-        #    overflow above 1.8e19, which would pass for an inf).
-        sumsq = sum_of_squares(g, math.gcd(self.alignment, 64))  # S is a multiple of the alignment
-        sumsq = comm.all_reduce_sum(sumsq / grad_scale.double().square() if fused else sumsq)
+        #    Fused, of the scaled grads: FP32 accumulation cannot overflow on FP16 grads.
+        if fused:
+            acc = torch.float32 if self.param_dtype == torch.float16 else torch.float64
+            sumsq = sum_of_squares(g, dtype=acc) / grad_scale.double().square()
+        else:
+            sumsq = sum_of_squares(Segments.of(g, True), dtype=torch.float64)
+        sumsq = comm.all_reduce_sum(sumsq)
         found_inf = ~torch.isfinite(sumsq)
         norm = torch.sqrt(sumsq)
 
         # 4-6. Transform, skip if not finite, cast: on the FP32 shard (on the host with offload:
         #      a blocking copy there), with the fused kernel or in cache-sized chunks when eager.
-        g, skip, norm_there = (x.to(b.state_device) for x in (g, found_inf, norm))
+        #      With donate at world size 1 the cast goes straight into the params' own buffer.
+        out = self._own_buffer(params, flat_in) if fused and self.donate and comm.world_size == 1 else None
+        g = g if fused else g.to(b.state_device)
+        skip, norm_there = found_inf.to(b.state_device), norm.to(b.state_device)
         master, tx_state, shard = update_shard(
             self.tx, g, state.master, state.tx_state, skip, norm_there, param_dtype=self.param_dtype,
             grad_scale=grad_scale.to(b.state_device) if fused else None, chunk_numel=self.chunk_numel,
-            donate=self.donate)
+            donate=self.donate, out=out)
 
         # 7. Gather everyone's cast shard into the new flat param buffer.
-        new_params = comm.all_gather(shard.to(path.device, non_blocking=True), layout)
-        if not flat_in:
-            new_params = unflatten(new_params, layout, like=params)
+        #    (Cast into the params' own buffer at world size 1: they are the new params already.)
+        if shard is out:
+            new_params = params
+        else:
+            new_params = comm.all_gather(shard.to(path.device, non_blocking=True), layout)
+            new_params = new_params if flat_in else unflatten(new_params, layout, like=params)
+            new_params = write_into(params, new_params) if self.donate else new_params
 
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": norm.float(),
                 "scale_stuck": self.loss_scale.stuck(scaler_state)}
         new_state = ZeroState(master, tx_state)
-        if self.donate:  # write into the inputs' buffers: no allocation of state or params
-            new_state, new_params = write_into(state, new_state), write_into(params, new_params)
+        if self.donate:  # write into the inputs' buffers: no allocation of state
+            new_state = write_into(state, new_state)
         return new_params, new_state, scaler_state, info
 
     # ------------------------------------------------------------------ grads
@@ -261,6 +271,16 @@ class Engine:
         return flat_buffer(leaves, path.layout)
 
     # ------------------------------------------------------------------ helpers
+    def _own_buffer(self, params: Any, flat_in: bool) -> torch.Tensor | None:
+        """The flat buffer ``params`` are (views of), or ``None`` if they are not (then the
+        step writes a new one and copies it into ``params``)."""
+        if flat_in:
+            return params
+        try:
+            return flat_buffer(optree.tree_leaves(params), self.layout)
+        except ValueError:
+            return None
+
     def _ready(self) -> _Bound:
         if self._bound is None:
             raise RuntimeError("engine.step called before engine.init")

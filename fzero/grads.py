@@ -14,19 +14,25 @@ one of two forms, each with its micro-batch count:
 ``GradPath.reduce`` turns either into ``Reduced`` (one reduce-scatter per bucket for the first).
 The ``factor`` (``Comm.mean_factor``) stays separate so that the step folds it into its one FP32
 multiply with the unscale and the 1/count.
+
+The eager fused step reads the reduced shard as ``Segments``, chunk by chunk; at world size 1
+(nothing to reduce) they are the caller's grad leaves themselves, so a grads pytree is never laid
+out into a new shard-sized buffer (on a CPU, fresh pages cost more than the update itself).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any, Callable, NamedTuple, Union
 
+import optree
 import torch
 
 from . import backward, checks
 from .comm import Comm, SimulatedComm
 from .flat import Layout, concat, flatten_buckets, split_buckets, unflatten
 
-__all__ = ["Accumulated", "Unreduced", "Reduced", "GradPath"]
+__all__ = ["Accumulated", "Unreduced", "Reduced", "Segments", "GradPath"]
 
 
 class Accumulated(NamedTuple):
@@ -59,6 +65,57 @@ class Reduced(NamedTuple):
     factor: float
     count: torch.Tensor | int
     owned: bool
+
+
+class Segments(NamedTuple):
+    """An ``[S]`` grads shard in pieces, read chunk by chunk in FP32 (the eager fused update):
+    ``parts[i]`` (1-D, any float dtype) holds elements ``[starts[i], starts[i] + numel)``, in
+    order, not overlapping; elements no piece covers are zero (padding). A reduced shard is one
+    piece; at world size 1, the grad leaves. ``owned``: the pieces may be overwritten."""
+
+    parts: tuple[torch.Tensor, ...]
+    starts: tuple[int, ...]
+    numel: int
+    owned: bool
+
+    @classmethod
+    def of(cls, shard: torch.Tensor, owned: bool) -> "Segments":
+        return cls((shard,), (0,), shard.numel(), owned)
+
+    def pieces(self, block: int) -> list[torch.Tensor]:
+        """The parts cut at every multiple of ``block`` in shard coordinates: the same pieces
+        (so the same sums, bitwise) for the same elements however they are held."""
+        out = []
+        for p, s in zip(self.parts, self.starts):
+            lo, end = s, s + p.numel()
+            while lo < end:
+                hi = min(end, (lo // block + 1) * block)
+                out.append(p[lo - s : hi - s])
+                lo = hi
+        return out
+
+    def fp32(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """Elements ``[lo, hi)`` as FP32 on ``device``, to be overwritten: a view of an owned FP32
+        piece there when one covers them, else a new ``[hi - lo]`` tensor (a chunk: its memory
+        is reused from chunk to chunk, where a shard-sized one would be fresh pages)."""
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        p, s = self.parts[i], self.starts[i]
+        if self.owned and p.dtype == torch.float32 and p.device == device and s <= lo and hi <= s + p.numel():
+            return p[lo - s : hi - s]
+        out = torch.empty(hi - lo, dtype=torch.float32, device=device)
+        pos = lo  # filled up to here
+        for p, s in zip(self.parts[i:], self.starts[i:]):
+            a, b = max(pos, s), min(hi, s + p.numel())
+            if s >= hi:
+                break
+            if a < b:
+                if a > pos:
+                    out[pos - lo : a - lo].zero_()
+                out[a - lo : b - lo].copy_(p[a - s : b - s])
+                pos = b
+        if pos < hi:
+            out[pos - lo :].zero_()
+        return out
 
 
 Form = Union[Unreduced, Reduced]
@@ -94,17 +151,27 @@ class GradPath:
             return [x.to(dtype) for x in split_buckets(grads, self.layout)]
         return flatten_buckets(grads, self.layout, dtype=dtype)
 
-    def to_form(self, grads: Any, *, fp32: bool = False) -> Form:
-        """What a user passes to ``step`` as grads, as ``Unreduced`` or ``Reduced``. ``fp32``: at
-        world size 1 (nothing is summed) lay grads out in FP32 rather than the param dtype, for
-        a step that needs FP32 grads anyway (the fused kernel)."""
+    def to_form(self, grads: Any, *, segments: bool = False) -> Form:
+        """What a user passes to ``step`` as grads, as ``Unreduced`` or ``Reduced``. ``segments``:
+        at world size 1 (nothing to reduce) grads that are not ``Accumulated`` become a
+        ``Reduced`` of ``Segments``: the caller's leaves (or flat grads) as they are."""
         if not isinstance(grads, Accumulated):
-            dtype = torch.float32 if fp32 and self.comm.world_size == 1 else self.reduce_dtype
-            owned = not isinstance(grads, torch.Tensor) or grads.dtype != dtype  # laid out or cast: new buffers
-            return Unreduced(self.buckets(grads, dtype), 1, owned)
+            if segments and self.comm.world_size == 1:
+                return Reduced(self.segments(grads), 1.0, 1, False)
+            owned = not isinstance(grads, torch.Tensor) or grads.dtype != self.reduce_dtype  # new buffers
+            return Unreduced(self.buckets(grads, self.reduce_dtype), 1, owned)
         if self._check_accumulated(grads):
             return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count, False)
         return Unreduced(split_buckets(grads.grads, self.layout), grads.count, False)
+
+    def segments(self, grads: Any) -> Segments:
+        """A grads pytree or flat buffer, checked, as ``Segments`` of the flat ``[N*S]`` order
+        (this rank's shard at world size 1): one piece per leaf (views of a flat buffer)."""
+        flat = self.check(grads, "grads")
+        leaves = optree.tree_leaves(unflatten(grads, self.layout)) if flat else self.layout.treespec.flatten_up_to(grads)
+        order = sorted(range(len(leaves)), key=lambda i: self.layout.offsets[i])  # buckets fill in reverse
+        return Segments(tuple(leaves[i].reshape(-1) for i in order), tuple(self.layout.offsets[i] for i in order),
+                        self.layout.padded_numel, False)
 
     def _check_accumulated(self, acc: Accumulated) -> bool:
         """An ``Accumulated`` sum must be this rank's reduced ``[S]`` shard or the unreduced

@@ -10,24 +10,29 @@ update into one loop, so it runs on the whole shard.
 """
 from __future__ import annotations
 
-import math
+
 from typing import Any
 
 import optree
 import torch
 
-__all__ = ["update_shard", "sum_of_squares", "owned_fp32", "cast_params", "write_into"]
+from .grads import Segments
+
+__all__ = ["update_shard", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
-def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False) -> torch.Tensor:
+def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """FP32 master values in the param ``dtype``, *saturating*: values beyond the dtype's
     finite range (65504 for FP16) become its largest finite value instead of inf, so a finite
     master never gives a non-finite param. The master keeps the exact value; NaN stays NaN.
-    ``copy``: a new tensor even when ``dtype`` is FP32."""
+    ``copy``: a new tensor even when ``dtype`` is FP32; ``out``: written into that tensor
+    (of ``dtype``, like ``master``) and returned."""
     if dtype == master.dtype:
-        return master.clone() if copy else master
+        return out.copy_(master) if out is not None else master.clone() if copy else master
     big = torch.finfo(dtype).max
-    return master.to(dtype).nan_to_num_(nan=math.nan, posinf=big, neginf=-big)
+    cast = master.to(dtype) if out is None else out.copy_(master)
+    return cast.clamp_(-big, big)  # +-inf -> +-max; NaN stays NaN
 
 
 def write_into(old: Any, new: Any) -> Any:
@@ -50,60 +55,109 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype):
     return new_master, new_tx_state, cast_params(new_master, param_dtype)
 
 
-def sum_of_squares(g: torch.Tensor, row: int) -> torch.Tensor:
-    """``sum(g**2)`` as a 0-d float64, exact for every finite FP32 ``g`` (no square overflows,
-    as FP32 squares do above 1.8e19) and non-finite iff ``g`` holds an inf or NaN.
-
-    Row by row: float64 norms of rows of ``row`` elements (a divisor of ``g.numel()``; a CPU
-    reduction of the whole vector in float64 casts element by element and runs ~5x slower),
-    then their squares summed."""
-    return torch.linalg.vector_norm(g.view(-1, row), dim=1, dtype=torch.float64).square().sum()
+NORM_BLOCK, NORM_ROW = 2**18, 256  # the eager sum of squares: elements per block, per row
 
 
-def owned_fp32(shard: torch.Tensor, owned: bool) -> torch.Tensor:
-    """``shard`` in FP32 as a tensor the step may overwrite: a copy unless it is FP32 already
-    and ``owned`` (no caller holds it)."""
-    g = shard.float()
-    return g if owned or g is not shard else g.clone()
+def sum_of_squares(g: Segments, *, dtype: torch.dtype) -> torch.Tensor:
+    """``sum(g**2)`` over the elements of ``g`` as a 0-d float64; non-finite iff some element
+    is inf or NaN.
+
+    Eager: the norms of rows of ``g.pieces(NORM_BLOCK)`` accumulated in ``dtype`` (any cast
+    stays block-sized), squared and summed in float64. The pieces are the same
+    whether ``g`` is a grads pytree or the flat buffer, whatever ``chunk_numel``, so is the
+    result, bitwise. float64 never overflows for finite FP32 inputs (FP32 squares overflow
+    above 1.8e19, which would pass for an inf); FP32 is 3x faster and safe when every element
+    is a sum of at most 2^30 FP16 values, ranks times micro-batches (|g| <= 7e13: squared and
+    summed over a row, far below 3.4e38). Compiled: one float64 reduction per part, which
+    inductor fuses with the cast."""
+    if torch.compiler.is_compiling():
+        return sum(torch.linalg.vector_norm(p, dtype=torch.float64).square() for p in g.parts)
+    # Rows of NORM_ROW elements (a running sum of 256 terms loses ~1e-7 at worst; one over 2^18
+    # terms, 1e-4): each piece's full rows, then every tail that fills no row, zero-padded.
+    rows, tails = [], []
+    for p in g.pieces(NORM_BLOCK):
+        n = p.numel() // NORM_ROW * NORM_ROW
+        rows += [p[:n].view(-1, NORM_ROW)] if n else []
+        tails += [p[n:]] if n < p.numel() else []
+    if tails:
+        pad = -sum(t.numel() for t in tails) % NORM_ROW
+        tails = torch.cat([t.to(dtype) for t in tails] + [tails[0].new_zeros(pad, dtype=dtype)])
+        rows.append(tails.view(-1, NORM_ROW))
+    norms = [torch.linalg.vector_norm(r, dim=1, dtype=dtype) for r in rows]
+    return torch.cat(norms).double().square().sum()
 
 
-def update_shard(tx, g: torch.Tensor, master: torch.Tensor, tx_state: Any, skip: torch.Tensor, norm: torch.Tensor,
-                 *, param_dtype: torch.dtype, grad_scale: torch.Tensor | None, chunk_numel: int | None, donate: bool):
+def _chunks(S: int, chunk: int | None):
+    """``(lo, hi)`` of consecutive chunks of ``chunk`` elements covering ``[0, S)``."""
+    step = S if not chunk else chunk
+    return [(lo, min(S, lo + step)) for lo in range(0, S, step)] or [(0, 0)]
+
+
+def _slices(tree: Any, S: int, lo: int, hi: int) -> Any:
+    """``tree`` with each ``[S]`` tensor cut to ``[lo:hi]`` (0-d leaves as they are)."""
+    return optree.tree_map(lambda x: x[lo:hi] if isinstance(x, torch.Tensor) and x.shape == (S,) else x, tree)
+
+
+def _fused_update(tx, g: Segments, master, tx_state, skip, norm, grad_scale, *, param_dtype, chunk, donate, out):
+    """``tx.fused``'s kernel chunk by chunk, in place on ``master`` and ``tx_state`` (or on
+    copies of their ``[S]`` tensors), each chunk cast into ``out`` right after; ``None`` if the
+    transform declines (before anything is written)."""
+    plan = tx.fused(tx_state, grad_scale=grad_scale, found_inf=skip, grad_norm=norm)
+    if plan is None or plan.kernel is None:
+        return None
+    S = master.numel()
+    # Whole multiples of 64 elements: the kernel's vector loop and its scalar tail round
+    # differently, so chunk edges elsewhere would change results.
+    chunk = S if chunk is None else max(64, chunk // 64 * 64)
+    is_shard = lambda x: isinstance(x, torch.Tensor) and x.shape == (S,)
+    copy = lambda x: x.clone() if is_shard(x) else x
+    master, tx_state = (master, tx_state) if donate else optree.tree_map(copy, (master, tx_state))
+    out = torch.empty(S, dtype=param_dtype, device=master.device) if out is None else out
+    # Every chunk's views made up front (a tree_map per chunk costs more than a small kernel).
+    leaves, spec = optree.tree_flatten(tx_state)
+    cut = lambda x: x.split(chunk)
+    parts = [cut(x) if is_shard(x) else None for x in leaves]
+    for i, (m, o) in enumerate(zip(cut(master), cut(out))):
+        lo = i * chunk
+        plan.kernel(m, g.fp32(lo, lo + m.numel(), m.device), spec.unflatten([x if v is None else v[i] for x, v in zip(leaves, parts)]))
+        cast_params(m, param_dtype, out=o)
+    # the [S] tensors the kernel wrote, the 0-d leaves of the plan's state
+    return master, optree.tree_map(lambda full, new: full if is_shard(full) else new, tx_state, plan.state), out
+
+
+def update_shard(tx, g: torch.Tensor | Segments, master: torch.Tensor, tx_state: Any, skip: torch.Tensor,
+                 norm: torch.Tensor, *, param_dtype: torch.dtype, grad_scale: torch.Tensor | None,
+                 chunk_numel: int | None, donate: bool, out: torch.Tensor | None = None):
     """``(master, tx_state, params shard)`` after one update of transform ``tx`` on the ``[S]``
     shard: ``skip`` 0-d bool (keep every old value), ``norm`` the global grad norm (float64,
-    for clipping). ``g``: the FP32 mean grads; with ``grad_scale`` (0-d FP32), the mean grads
-    times ``grad_scale``, overwritable, for ``tx.fused``.
+    for clipping). ``g``: the FP32 mean grads ``[S]``; or, with ``grad_scale`` (0-d FP32),
+    ``Segments`` of the mean grads times ``grad_scale``, for ``tx.fused``. ``out``: an ``[S]``
+    ``param_dtype`` tensor to write the params shard into (else a new one; fused only).
 
     ``tx.fused`` (torch's fused kernel: one pass over master, grads and moments) updates in
-    place: the inputs' own buffers with ``donate``, else copies of them. Otherwise -- or if it
-    declines -- the generic ``tx.update``; eager on a CPU shard with ``chunk_numel`` it runs
-    chunk by chunk, written into full-size outputs (the inputs' own buffers with ``donate``);
-    0-d state (the step count) is the same from every chunk. Results do not depend on the
-    chunking, and the two ways agree to float rounding."""
+    place -- the inputs' own buffers with ``donate``, else copies of them -- chunk by chunk on a
+    CPU shard (``chunk_numel``), reading the grads a chunk at a time (see ``Segments.fp32``).
+    Otherwise, or if it declines, the generic ``tx.update``; eager on a CPU shard it also runs
+    chunk by chunk, written into full-size outputs (the inputs' own buffers with ``donate``).
+    Results do not depend on the chunking, and the two ways agree to float rounding."""
+    S = master.numel()
+    chunk = chunk_numel if master.device.type == "cpu" and not torch.compiler.is_compiling() else None
     if grad_scale is not None:
-        # The kernel writes master and moments in place: without donate, into copies (0-d leaves
-        # are replaced, never written, and keep their host values).
-        copy = lambda x: x.clone() if isinstance(x, torch.Tensor) and x.ndim and x.is_floating_point() else x
-        mine = (master, tx_state) if donate else optree.tree_map(copy, (master, tx_state))
-        out = tx.fused(mine[0], g, mine[1], grad_scale=grad_scale, found_inf=skip, grad_norm=norm)
-        if out is not None and out[2]:
-            return mine[0], out[0], cast_params(mine[0], param_dtype)
-        g = g / grad_scale  # declined before touching anything: the generic update
-    S = g.numel()
-    chunk = chunk_numel if g.device.type == "cpu" else None  # CUDA: its caching allocator reuses memory
-    if torch.compiler.is_compiling() or chunk is None or chunk >= S:
+        done = _fused_update(tx, g, master, tx_state, skip, norm, grad_scale, param_dtype=param_dtype, chunk=chunk,
+                             donate=donate, out=out)
+        if done is not None:
+            return done
+        g = g.fp32(0, S, master.device) / grad_scale  # declined before touching anything: the generic update
+    if chunk is None or chunk >= S:
         return _update(tx, g, master, tx_state, skip, norm, param_dtype)
-    is_shard = lambda x: isinstance(x, torch.Tensor) and x.shape == (S,)
     outs = None
-    for lo in range(0, S, chunk):
-        part = lambda x: x[lo : lo + chunk] if is_shard(x) else x
-        res = _update(tx, g[lo : lo + chunk], master[lo : lo + chunk], optree.tree_map(part, tx_state), skip, norm,
-                      param_dtype)
+    for lo, hi in _chunks(S, chunk):
+        res = _update(tx, g[lo:hi], master[lo:hi], _slices(tx_state, S, lo, hi), skip, norm, param_dtype)
         if outs is None:  # full-size outputs; 0-d leaves as the first chunk computed them
-            full = lambda old, new: (old if donate else torch.empty_like(old)) if is_shard(old) else new
+            full = lambda old, new: (old if donate else torch.empty_like(old)) if old.shape == (S,) else new
             outs = (full(master, res[0]), optree.tree_map(full, tx_state, res[1]),
                     torch.empty(S, dtype=param_dtype, device=g.device))
-        for out, new in zip(optree.tree_leaves(outs), optree.tree_leaves(res)):
-            if out.shape == (S,):
-                out[lo : lo + chunk].copy_(new)
+        for o, new in zip(optree.tree_leaves(outs), optree.tree_leaves(res)):
+            if o.shape == (S,):
+                o[lo:hi].copy_(new)
     return outs

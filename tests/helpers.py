@@ -6,6 +6,7 @@ import dataclasses
 import optree
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.utils._python_dispatch
 
 import fzero
 import fzero.comm
@@ -117,4 +118,20 @@ class RecordingComm(fzero.comm.Comm):
             if name in out:
                 out[name][0] += 1
                 out[name][1] += nbytes
+        return out
+
+
+class NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element count of every tensor an aten op creates (views excluded): what a
+    step allocates."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        rets = func._schema.returns
+        if not (rets and all(r.alias_info is not None for r in rets)):  # not a view, not in place
+            self.numels += [t.numel() for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         return out

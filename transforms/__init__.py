@@ -9,6 +9,7 @@ tensors of states and steps (see ``transforms.scalars``).
 """
 from .adam import ScaleByAdamState, adamw, scale_by_adam
 from .base import (
+    FusedStep,
     GradientTransformation,
     MaskedState,
     ShardContext,
@@ -28,6 +29,7 @@ from .schedules import constant, cosine_decay, linear, linear_warmup, warmup_cos
 from .sgd import sgd, trace
 
 __all__ = [
+    "FusedStep",
     "GradientTransformation",
     "MaskedState",
     "ScaleByAdamState",

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, MaskedState, ShardContext, chain, check_hyperparam
+from .base import FusedStep, GradientTransformation, MaskedState, ShardContext, chain, check_hyperparam
 from .scalars import host_value, hyperparam, scalar, zero_count
 from .scale import add_decayed_weights, learning_rate, next_learning_rate_state, scale_by_learning_rate
 
@@ -124,39 +124,45 @@ def adamw(
         scale_by_learning_rate(lr),
     )
 
-    def fused(params, grads, state, *, grad_scale, found_inf, grad_norm):
-        return _fused_adamw(lr, params, grads, state, grad_scale=grad_scale, found_inf=found_inf)
+    def fused(state, *, grad_scale, found_inf, grad_norm):
+        return _fused_adamw(lr, state, grad_scale=grad_scale, found_inf=found_inf)
 
     fused.updates_params = True
     return tx._replace(fused=fused)
 
 
-def _fused_adamw(lr, params, grads, state, *, grad_scale, found_inf):
+def _fused_adamw(lr, state, *, grad_scale, found_inf):
     """``adamw``'s step with ``torch._fused_adamw_`` (one pass over params, grads and moments),
-    in place on a flat FP32 ``params`` tensor; see ``GradientTransformation.fused``.
+    as a ``FusedStep``: its 0-d work here, once; the kernel in place on a flat FP32 params
+    tensor or a slice of it (see ``GradientTransformation.fused``).
 
     The kernel takes ``b1``, ``b2``, ``eps`` (and an unmasked ``weight_decay``) as Python
-    floats: their ``host_value``; without one (a hyperparameter made by arithmetic) it returns
-    ``None`` and the caller runs ``update``. A masked decay is one more pass, ``p *= 1 - lr*wd``
-    where the mask is True, before the kernel (the same order as torch's AdamW)."""
+    floats: their ``host_value``; without one (a hyperparameter made by arithmetic), or with
+    moments not in FP32, it returns ``None`` and the caller runs ``update``. A masked decay is
+    one more pass, ``p *= 1 - lr*wd`` where the mask is True, before the kernel (the same order
+    as torch's AdamW)."""
     adam, decay, rate_state = state
-    mask = decay.mask if isinstance(decay, MaskedState) else None
-    decay = decay.inner if mask is not None else decay
+    masked = isinstance(decay, MaskedState)
+    decay = decay.inner if masked else decay
     floats = [host_value(x) for x in (adam.b1, adam.b2, adam.eps)]
-    wd = 0.0 if mask is not None else host_value(decay.weight_decay)
-    shard = lambda x: isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.shape == params.shape
-    if None in floats or wd is None or not all(map(shard, (params, grads, adam.mu, adam.nu))) or (
-            mask is not None and not isinstance(mask, torch.Tensor)):
+    wd = 0.0 if masked else host_value(decay.weight_decay)
+    fp32 = lambda x: isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.ndim == 1
+    if None in floats or wd is None or not (fp32(adam.mu) and fp32(adam.nu)) or (
+            masked and not isinstance(state[1].mask, torch.Tensor)):
         return None
     b1, b2, eps = floats
     rate = learning_rate(lr, rate_state)
-    if mask is not None:  # decoupled decay where the mask is True; nothing on a skipped step
-        keep = scalar(torch.where(found_inf, 1.0, 1 - rate * decay.weight_decay))
-        params.mul_(torch.where(mask, keep, 1.0))
+    lr_t, inf_t = scalar(rate), found_inf.to(torch.float32)
     step = (adam.count + 1).to(torch.float32)  # the kernel's t (it does not count: torch.optim does)
-    torch._fused_adamw_([params], [grads], [adam.mu], [adam.nu], [], [step], lr=scalar(rate), beta1=b1, beta2=b2,
-                        weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
-                        found_inf=found_inf.to(torch.float32))
+    keep = scalar(torch.where(found_inf, 1.0, 1 - rate * decay.weight_decay)) if masked else None
+
+    def kernel(params, grads, s):
+        if masked:  # decoupled decay where the mask is True; nothing on a skipped step
+            params.mul_(torch.where(s[1].mask, keep, 1.0))
+        torch._fused_adamw_([params], [grads], [s[0].mu], [s[0].nu], [], [step], lr=lr_t, beta1=b1, beta2=b2,
+                            weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                            found_inf=inf_t)
+
     count = lambda c: torch.where(found_inf, c, c + 1)  # skipped steps are not counted
     new_state = (adam._replace(count=count(adam.count)), state[1], next_learning_rate_state(lr, rate_state, count))
-    return new_state, grad_scale, True
+    return FusedStep(kernel, new_state, grad_scale)

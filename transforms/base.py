@@ -27,6 +27,7 @@ from .scalars import with_host_value
 
 __all__ = [
     "GradientTransformation",
+    "FusedStep",
     "ShardContext",
     "resolve_per_leaf",
     "chain",
@@ -41,20 +42,34 @@ __all__ = [
 ]
 
 
+class FusedStep(NamedTuple):
+    """What a ``fused`` form returns for one step (see ``GradientTransformation``).
+
+    ``kernel(params, grads, state)``: the update in place, with one of torch's fused kernels,
+    on a 1-D FP32 ``params`` tensor, the FP32 ``grads`` times ``grad_scale`` like it (which it
+    may overwrite), and the state with its tensors of that shape likewise; elementwise, so the
+    caller may run it on consecutive slices of the three (the 0-d work is done once, in
+    ``fused``). ``None`` for a transform that only rescales the grads. ``state``: the new state;
+    its tensors shaped like the params are the ones ``kernel`` writes. ``grad_scale``: what the
+    kernel divides the grads by (clipping multiplies it)."""
+
+    kernel: Callable[[torch.Tensor, torch.Tensor, Any], None] | None
+    state: Any
+    grad_scale: torch.Tensor
+
+
 class GradientTransformation(NamedTuple):
     """``init(params, *, context=None) -> state``; ``update(updates, state, params=None,
     **extra) -> (updates, state)`` (see the module docstring).
 
-    ``fused`` (optional): the same transformation as one in-place step with one of torch's fused
+    ``fused`` (optional): the same transformation as an in-place step with one of torch's fused
     kernels, for callers that hold the params as one flat FP32 tensor (fzero's engine, eager):
-    ``fused(params, grads, state, *, grad_scale, found_inf, grad_norm) -> (state, grad_scale,
-    applied)`` or ``None`` when it cannot run fused (then use ``update``). ``grads`` are FP32,
-    like ``params``, scaled by ``grad_scale`` (0-d FP32: the kernel divides by it, and may
-    overwrite ``grads``); ``found_inf`` (0-d bool) makes the step a no-op, as in ``update`` +
-    a select. A transform that only rescales the grads (clipping) returns ``applied=False`` and
-    a new ``grad_scale``; one that updates ``params`` (its function marked ``updates_params =
-    True``), ``applied=True``, and declines only before writing anything. ``chain`` composes
-    them when only its last member updates the params."""
+    ``fused(state, *, grad_scale, found_inf, grad_norm) -> FusedStep``, or ``None`` when it
+    cannot run fused (then use ``update``): it decides before anything is written. ``grad_scale``
+    (0-d FP32): the kernel divides the grads by it; ``found_inf`` (0-d bool) makes the step a
+    no-op, as in ``update`` + a select. A transform whose kernel updates the params marks its
+    function ``updates_params = True``; ``chain`` composes fused forms when only its last member
+    does (the others rescale ``grad_scale``)."""
 
     init: Callable[..., Any]
     update: Callable[..., tuple[Any, Any]]
@@ -118,18 +133,19 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    def fused(params, grads, state, *, grad_scale, found_inf, grad_norm):
-        new_state, applied = [], False
-        for tx, s in zip(txs, state):
-            out = tx.fused(params, grads, s, grad_scale=grad_scale, found_inf=found_inf, grad_norm=grad_norm)
-            if out is None:  # declined, and so did nothing: only the last may have updated the params
+    def fused(state, *, grad_scale, found_inf, grad_norm):
+        new_state, kernel, at = [], None, 0
+        for i, (tx, s) in enumerate(zip(txs, state)):
+            out = tx.fused(s, grad_scale=grad_scale, found_inf=found_inf, grad_norm=grad_norm)
+            if out is None:  # declined: nothing has been written yet
                 return None
-            s, grad_scale, applied = out
-            new_state.append(s)
-        return tuple(new_state), grad_scale, applied
+            new_state.append(out.state)
+            grad_scale, kernel, at = out.grad_scale, out.kernel, i
+        last = kernel and (lambda params, grads, s: kernel(params, grads, s[at]))
+        return FusedStep(last, tuple(new_state), grad_scale)
 
-    # A member that updates the params in place must be the last one: a member after it could
-    # still decline, with the params already written.
+    # A member that updates the params must be the last one: a member after it would transform
+    # updates that its kernel never produces.
     every_fused = bool(txs) and all(tx.fused is not None for tx in txs)
     if every_fused and not any(updates_params(tx.fused) for tx in txs[:-1]):
         fused.updates_params = updates_params(txs[-1].fused)

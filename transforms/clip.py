@@ -6,7 +6,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, ShardContext, check_hyperparam
+from .base import FusedStep, GradientTransformation, ShardContext, check_hyperparam
 from .scalars import hyperparam, scalar
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
@@ -43,8 +43,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         coef = scalar(coefficient(state, global_norm(updates) if grad_norm is None else grad_norm))
         return optree.tree_map(lambda u: (u * coef).to(u.dtype), updates), state
 
-    def fused(params, grads, state, *, grad_scale, found_inf, grad_norm):
+    def fused(state, *, grad_scale, found_inf, grad_norm):
         # Clipping multiplies the grads by coef: the kernel divides them by grad_scale / coef.
-        return state, grad_scale / scalar(coefficient(state, grad_norm)), False
+        return FusedStep(None, state, grad_scale / scalar(coefficient(state, grad_norm)))
 
     return GradientTransformation(init, update, fused)
