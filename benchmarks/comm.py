@@ -42,7 +42,7 @@ import fzero  # noqa: E402
 import fzero.comm  # noqa: E402
 import transforms  # noqa: E402
 from common import table  # noqa: E402
-from gpt_throughput import ModuleGPT  # noqa: E402
+from e2e import ModuleGPT  # noqa: E402
 from models import gpt  # noqa: E402
 from models.module import functional  # noqa: E402
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script of about 8 minutes on one H200:
-# the optimizer-step table at 1e9 elements, the memory table (with CPU offload's device bytes and
-# step time), the no-host-sync check and the
-# GPT-2-small throughput comparison. Results land in $OUT (default benchmarks/results/gpu).
+# the no-host-sync check, the optimizer-step table at 1e9 elements (eager, compiled, flat), the
+# eager step's bytes per element, the memory table (with CPU offload's device bytes and step
+# time), and the main job's step against the torch recipe at GPT-2-small shape (e2e.py).
+# Results land in $OUT (default benchmarks/results/gpu).
 #   bash benchmarks/gpu_suite.sh            # full sizes, on the GPU machine
 #   QUICK=1 bash benchmarks/gpu_suite.sh    # tiny sizes: rehearse the script on a CPU
 set -uo pipefail
@@ -12,10 +13,10 @@ mkdir -p "$OUT"
 PY=${PY:-python}
 if [ -n "${QUICK:-}" ]; then
   STEP="--numel 2e5 --tensors 20 --iters 3 --device cpu"; MEM="--sizes 1e6 --world-sizes 1 8 --device cpu --offload-sizes 1e5"
-  GPT="--device cpu --preset tiny --batch 2 --seq 64 --steps 2 --no-compile"
+  E2E="--quick --device cpu"
 else
   STEP="--numel 1e9 --device cuda"; MEM="--sizes 124439808 1e9 --world-sizes 1 8 64 --device cuda --max-gib 100 --offload-sizes 124439808"
-  GPT="--device cuda --preset gpt2 --batch 16 --steps 10"
+  E2E="--device cuda --config gpt2 --dtype fp16 bf16 --ranks 1 --batch 16 --steps 10 --rounds 3"
 fi
 run() { echo "== $*"; timeout "${LIMIT:-200}" "$PY" "$@" 2>&1 | tee -a "$OUT/suite.log"; }
 : > "$OUT/suite.log"
@@ -30,5 +31,5 @@ run benchmarks/step.py $STEP --json "$OUT/step.json"
 run benchmarks/plot.py "$OUT/step.json" -o "$OUT/step.png"
 run benchmarks/traffic.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda) --json "$OUT/traffic.json"
 run benchmarks/memory.py $MEM --json "$OUT/memory.json"
-LIMIT=240 run benchmarks/gpt_throughput.py $GPT
+LIMIT=300 run benchmarks/e2e.py $E2E --json "$OUT/e2e.json"
 echo "results in $OUT"

@@ -8,10 +8,10 @@ FP32) grads. The floor is the step's 28 bytes/element (read FP16 grad 2, FP32 ma
     python benchmarks/step.py --numel 1e9 --device cuda         # one GPU, 1e9 elements
 
 Rows: torch.optim.AdamW fused / foreach on FP32 params; the classic FP16-params + FP32-master
-recipe (torch's amp unscale kernel, AdamW on the master, copy back); fzero eager (pure), fzero
-compiled (``torch.compile(engine.step, fullgraph=True)``, ``donate=True``) from the grads
-pytree, and on the flat buffer (``engine.flat_params``: params and grads flat); world
-size 1, FP16 params, dynamic loss scale. Prints a markdown table with x floor and ratios, then
+recipe (torch's amp unscale kernel, AdamW on the master, copy back); fzero eager and fzero
+compiled (``torch.compile(engine.step, fullgraph=True)``) from the grads pytree, and compiled on
+the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16 params,
+dynamic loss scale, ``donate=True``. Prints a markdown table with x floor and ratios, then
 the ratio of the flat-buffer row to torch's fused AdamW from alternating paired rounds.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 import transforms  # noqa: E402
-from common import paired_ratio, classic_step, hardware, median_time, table  # noqa: E402
+from common import classic_step, hardware, median_time, paired_ratio, table  # noqa: E402
 
 
 def main(argv=None):
@@ -86,7 +85,7 @@ def main(argv=None):
                                         ("fzero compiled, flat buffer (engine.flat_params)", True, True)):
         if compiled and not args.compile:
             continue
-        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, donate=compiled)
+        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, donate=True)
         carry = list(engine.init(params32))  # params, state, scaler_state
         step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
         # d(loss)/d(flat buffer) arrives already laid out (engine.flat_params): no per-leaf copy

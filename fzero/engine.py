@@ -183,30 +183,25 @@ class Engine:
         scale = scaler_state.scale
 
         # 1. Reduce: this rank's [S] shard of the grads over ranks; shard * factor is their mean
-        #    (the user's grads take one of two forms at the door, see fzero.grads). The eager
-        #    fused update reads it as Segments, chunk by chunk: at world size 1 the grad leaves.
+        #    (the user's grads take one of two forms at the door, see fzero.grads). Eager, with a
+        #    fused kernel, it is read as Segments, chunk by chunk: at world size 1 the grad leaves.
         fused = self.tx.fused is not None and not torch.compiler.is_compiling()  # torch's kernel, eager
         reduced = path.reduce(path.to_form(grads, segments=fused))
 
-        # 2. Mean over ranks and micro-batches, unscaled, in one FP32 multiply -- or, fused, as the
-        #    kernel's grad_scale: it divides the grads by it inside its own pass (see fzero.update).
-        if fused:
-            grad_scale = scalar(scale * reduced.count / reduced.factor)
-            g = reduced.shard if isinstance(reduced.shard, Segments) else Segments.of(reduced.shard, reduced.owned)
-        else:
-            grad_scale, g = None, reduced.shard.float() * scalar(reduced.factor / (scale * reduced.count))
-
-        # 3. One small all-reduce: the global sum of squares. Any inf/NaN on any rank makes it
-        #    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero.
-        #    Fused, of the scaled grads: FP32 accumulation cannot overflow on FP16 grads.
-        if fused:
-            acc = torch.float32 if self.param_dtype == torch.float16 else torch.float64
-            sumsq = sum_of_squares(g, dtype=acc) / grad_scale.double().square()
-        else:
-            sumsq = sum_of_squares(Segments.of(g, True), dtype=torch.float64)
-        sumsq = comm.all_reduce_sum(sumsq)
+        # 2. One small all-reduce: the global sum of squares of the mean unscaled grads, which are
+        #    shard / grad_scale. Summed from the shard as it came, scaled (in FP32 for FP16 grads:
+        #    it cannot overflow, see fzero.update). Any inf/NaN on any rank makes it non-finite,
+        #    so it doubles as the cross-rank found_inf agreement. Padding is zero.
+        grad_scale = scalar(scale * reduced.count / reduced.factor)
+        shard = reduced.shard if isinstance(reduced.shard, Segments) else Segments.of(reduced.shard, reduced.owned)
+        acc = torch.float32 if self.param_dtype == torch.float16 else torch.float64
+        sumsq = comm.all_reduce_sum(sum_of_squares(shard, dtype=acc) / grad_scale.double().square())
         found_inf = ~torch.isfinite(sumsq)
         norm = torch.sqrt(sumsq)
+
+        # 3. Mean over ranks and micro-batches, unscaled: fused, the kernel divides by grad_scale
+        #    inside its own pass (see fzero.update); else one FP32 multiply.
+        g = shard if fused else reduced.shard.float() * scalar(reduced.factor / (scale * reduced.count))
 
         # 4-6. Transform, skip if not finite, cast: on the FP32 shard (on the host with offload:
         #      a blocking copy there), with the fused kernel or in cache-sized chunks when eager.
@@ -284,7 +279,11 @@ class Engine:
     def _ready(self) -> _Bound:
         if self._bound is None:
             raise RuntimeError("engine.step called before engine.init")
-        self.comm.check_unchanged()
+        # Eager only: traced, the check would put the ProcessGroup object into the graph (as a
+        # script object), which then keeps the group's backend threads alive after
+        # destroy_process_group. A compiled step's collectives name their group instead.
+        if not torch.compiler.is_compiling():
+            self.comm.check_unchanged()
         return self._bound
 
     def time_collectives(self) -> dict[str, list[float]]:

@@ -178,13 +178,16 @@ class GradPath:
         ``[N*S]`` flat grads of this layout; return whether it is reduced."""
         S, full = self.layout.shard_numel, self.layout.padded_numel
         g = acc.grads
-        if not isinstance(g, torch.Tensor) or g.shape not in ((S,), (full,)) or not g.is_floating_point():
+        # Element by element: dynamo may trace the layout's ints as symbols, and a tuple
+        # comparison of sizes then need not resolve (an `in` over tuples of them did not).
+        if not (isinstance(g, torch.Tensor) and g.ndim == 1 and (g.shape[0] == S or g.shape[0] == full)
+                and g.is_floating_point()):
             got = f"shape {tuple(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g).__name__
             raise ValueError(f"Accumulated grads are {got}; this engine takes a reduced shard ({S},) or unreduced "
                              f"flat grads ({full},), floating point: a sum from another engine?")
         if not isinstance(acc.count, torch.Tensor) or acc.count.ndim != 0:
             raise ValueError(f"Accumulated count must be a 0-d tensor, got {acc.count!r}")
-        return g.shape == (S,)
+        return g.shape[0] == S
 
     def reduce(self, form: Form) -> Reduced:
         """This rank's reduced shard (a reduce-scatter per bucket for ``Unreduced`` grads)."""

@@ -62,20 +62,19 @@ def sum_of_squares(g: Segments, *, dtype: torch.dtype) -> torch.Tensor:
     """``sum(g**2)`` over the elements of ``g`` as a 0-d float64; non-finite iff some element
     is inf or NaN.
 
-    Eager: the norms of rows of ``g.pieces(NORM_BLOCK)`` accumulated in ``dtype`` (any cast
-    stays block-sized), squared and summed in float64. The pieces are the same
-    whether ``g`` is a grads pytree or the flat buffer, whatever ``chunk_numel``, so is the
-    result, bitwise. float64 never overflows for finite FP32 inputs (FP32 squares overflow
-    above 1.8e19, which would pass for an inf); FP32 is 3x faster and safe when every element
-    is a sum of at most 2^30 FP16 values, ranks times micro-batches (|g| <= 7e13: squared and
-    summed over a row, far below 3.4e38). Compiled: one float64 reduction per part, which
-    inductor fuses with the cast."""
-    if torch.compiler.is_compiling():
-        return sum(torch.linalg.vector_norm(p, dtype=torch.float64).square() for p in g.parts)
+    The norms of rows of ``NORM_ROW`` elements accumulated in ``dtype``, squared and summed in
+    float64. Eager, the rows are those of ``g.pieces(NORM_BLOCK)`` (any cast stays block-sized),
+    the same pieces whether ``g`` is a grads pytree or the flat buffer, whatever ``chunk_numel``:
+    so is the result, bitwise. Compiled, of the whole parts (inductor fuses the cast).
+
+    float64 never overflows for finite FP32 inputs (FP32 squares overflow above 1.8e19, which
+    would pass for an inf); FP32 is 3x faster and safe when every element is a sum of at most
+    2^30 FP16 values, ranks times micro-batches (|g| <= 7e13: squared and summed over a row, far
+    below 3.4e38)."""
     # Rows of NORM_ROW elements (a running sum of 256 terms loses ~1e-7 at worst; one over 2^18
     # terms, 1e-4): each piece's full rows, then every tail that fills no row, zero-padded.
     rows, tails = [], []
-    for p in g.pieces(NORM_BLOCK):
+    for p in g.parts if torch.compiler.is_compiling() else g.pieces(NORM_BLOCK):
         n = p.numel() // NORM_ROW * NORM_ROW
         rows += [p[:n].view(-1, NORM_ROW)] if n else []
         tails += [p[n:]] if n < p.numel() else []

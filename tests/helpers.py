@@ -1,6 +1,7 @@
 """Helpers shared by the test modules: reference pytrees, reference optimizers, comparisons."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import optree
@@ -135,3 +136,23 @@ class NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
         if not (rets and all(r.alias_info is not None for r in rets)):  # not a view, not in place
             self.numels += [t.numel() for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         return out
+
+
+@contextlib.contextmanager
+def forbid_host_syncs():
+    """Make every Tensor -> Python conversion raise while the block runs."""
+    names = ["item", "tolist", "__bool__", "__float__", "__int__", "__index__"]
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def trap(name):
+        def f(self, *a, **k):
+            raise AssertionError(f"host sync: Tensor.{name} called inside the step")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, trap(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)

@@ -1,0 +1,228 @@
+"""The main job's training step beside the torch recipe a user would write instead, in one run.
+
+torch: the same GPT as an ``nn.Module`` (``ModuleGPT``: same shapes, tied embedding, pre-LN,
+tanh GELU), ``torch.compile``d, ``torch.autocast`` to FP16/BF16 (none for FP32) with
+``torch.amp.GradScaler`` for FP16, ``torch.optim.AdamW(fused=True)``; under torchrun wrapped in
+DDP. fzero: ``models.gpt`` through ``examples/train.py``'s ``make_train_step`` -- the main job's
+step: ``engine.grad_and_value`` (the reduce-scatter inside backward) and the compiled
+``engine.step``, params in FP16/BF16/FP32, dynamic loss scaling for FP16. Both take AdamW with
+lr 3e-4, weight decay 0.1 on every param, no clipping; random tokens (throughput only).
+
+The two alternate in blocks of ``--steps`` steps after a warm-up that compiles both; tokens/s is
+the median over ``--rounds`` blocks. Rows for 1 rank, then 2 ranks (gloo on CPU, NCCL on GPUs),
+which the script runs under torchrun itself. Last line: ``fzero/torch tokens/s: <ratio>`` for
+the first row (1 rank, the first ``--dtype``).
+
+    python benchmarks/e2e.py                                     # CPU: --config small, FP32, 1 and 2 ranks
+    python benchmarks/e2e.py --device cuda --config gpt2 --dtype fp16 bf16 --ranks 1
+    python benchmarks/e2e.py --quick                             # a tiny rehearsal
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # train.py imports its sibling data.py
+import fzero  # noqa: E402
+import transforms  # noqa: E402
+from common import hardware, sync, table  # noqa: E402
+from models import gpt  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CONFIGS = {  # the main job's configs at its data's vocabulary (97 characters); gpt2 at GPT-2's, padded
+    "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),
+    "tiny": lambda: gpt.GPTConfig.tiny(97),
+    "small": lambda: gpt.GPTConfig.small(97),
+    "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+LR, WEIGHT_DECAY = 3e-4, 0.1
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("examples_train", os.path.join(HERE, "..", "examples", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.h = h
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class ModuleGPT(nn.Module):
+    """``models.gpt`` as the ``nn.Module`` a torch user writes (same shapes and parameter count)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(cfg.vocab_size, cfg.n_embd), nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer)])
+        self.lnf = nn.LayerNorm(cfg.n_embd)
+
+    def forward(self, idx, tgt):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = F.linear(self.lnf(x), self.wte.weight)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), tgt.view(-1))
+
+
+def torch_recipe(cfg, dtype, batch, dev, world):
+    """One step of the torch recipe (see the module docstring)."""
+    torch.manual_seed(0)
+    model = ModuleGPT(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    fwd = torch.compile(model)
+
+    def step():
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = fwd(*batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def fzero_main_job(cfg, dtype, batch, dev, world):
+    """One step of the main job's train step (``examples/train.py: make_train_step``)."""
+    train_py = load_train_module()
+    engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True)
+    carry = list(engine.init(gpt.init(torch.Generator().manual_seed(0), cfg, device=dev)))
+    train_step = train_py.make_train_step(engine, functools.partial(gpt.loss, config=cfg), compile=True)
+
+    def step():
+        carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)
+
+    return step
+
+
+def block_seconds(step, steps: int, dev, world: int) -> float:
+    """Wall seconds of ``steps`` steps, the device synced (and, on 2+ ranks, every rank done)."""
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(dev)
+    if world > 1:
+        dist.barrier()
+    return time.perf_counter() - t0
+
+
+def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
+    """tokens/s (over all ranks) of both recipes, alternated; peak GiB on a GPU."""
+    cfg = CONFIGS[args.config]()
+    dtype = DTYPES[dtype_name]
+    T = args.seq or cfg.block_size
+    g = torch.Generator().manual_seed(rank)
+    batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch, T), generator=g).to(dev) for _ in range(2))
+    steps = {"torch": torch_recipe(cfg, dtype, batch, dev, world), "fzero": fzero_main_job(cfg, dtype, batch, dev, world)}
+    for step in steps.values():  # compile, first-call work
+        block_seconds(step, 2, dev, world)
+    times = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            times[name].append(block_seconds(step, args.steps, dev, world))
+    tokens = args.batch * T * args.steps * world
+    out = {"dtype": dtype_name, "ranks": world, "params": cfg.num_params(), "tokens_per_step": args.batch * T * world}
+    for name, ts in times.items():
+        out[f"{name}_tok_s"] = tokens / statistics.median(ts)
+    out["ratio"] = out["fzero_tok_s"] / out["torch_tok_s"]
+    return out
+
+
+def run_ranks(args, world: int) -> list[dict]:
+    """The rows at ``world`` ranks: this script again under torchrun; rank 0's rows come back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               os.path.abspath(__file__), *sys.argv[1:], "--child-out", out]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() // world)))}
+        subprocess.run(cmd, check=True, env=env)
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--config", choices=CONFIGS, help="GPT size (default: small on CPU, gpt2 on a GPU; nano with --quick)")
+    ap.add_argument("--dtype", nargs="+", choices=DTYPES, help="param dtypes (default: fp32 on CPU, fp16 bf16 on a GPU)")
+    ap.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="world sizes to measure: %(default)s")
+    ap.add_argument("--batch", type=int, help="sequences per rank per step (default: 4 on CPU, 16 on a GPU)")
+    ap.add_argument("--seq", type=int, help="tokens per sequence (default: the config's block size; 128 on CPU)")
+    ap.add_argument("--steps", type=int, help="steps per timed block (default: 3 on CPU, 10 on a GPU)")
+    ap.add_argument("--rounds", type=int, help="alternating blocks per recipe (default: 5; 2 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="a tiny rehearsal: nano config, 1 step per block")
+    ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)  # set when this script runs itself under torchrun
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.config = args.config or ("nano" if args.quick else "gpt2" if cuda else "small")
+    args.dtype = args.dtype or (["fp16", "bf16"] if cuda else ["fp32"])
+    args.batch = args.batch or (16 if cuda else 2 if args.quick else 4)
+    args.seq = args.seq or (None if cuda else 32 if args.quick else 128)
+    args.steps = args.steps or (1 if args.quick else 10 if cuda else 3)
+    args.rounds = args.rounds or (2 if args.quick else 5)
+
+    if args.child_out:  # one of the ranks of run_ranks
+        dev = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rows = [measure(args, d, dist.get_world_size(), dist.get_rank(), dev) for d in args.dtype]
+        if dist.get_rank() == 0:
+            with open(args.child_out, "w") as f:
+                json.dump(rows, f)
+        fzero.shutdown()
+        return rows
+
+    dev = torch.device(args.device)
+    rows = []
+    for world in args.ranks:
+        rows += [measure(args, d, 1, 0, dev) for d in args.dtype] if world == 1 else run_ranks(args, world)
+    cfg = CONFIGS[args.config]()
+    print(f"\nGPT '{args.config}' ({cfg.num_params() / 1e6:.2f}M params), {args.batch} x {args.seq or cfg.block_size} "
+          f"tokens per rank per step, {hardware(dev)}; median of {args.rounds} alternating blocks of {args.steps} "
+          f"steps\n")
+    print(table([[r["dtype"], r["ranks"], f"{r['torch_tok_s']:,.0f}", f"{r['fzero_tok_s']:,.0f}", f"{r['ratio']:.2f}"]
+                 for r in rows], ["dtype", "ranks", "torch recipe tok/s", "fzero main job tok/s", "fzero / torch"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "device": hardware(dev), "rows": rows}, f, indent=1)
+    print(f"\nfzero/torch tokens/s: {rows[0]['ratio']:.3f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
