@@ -117,7 +117,7 @@ def torch_recipe(cfg, dtype, batch, dev, world):
 def fzero_main_job(cfg, dtype, batch, dev, world):
     """One step of the main job's train step (``examples/train.py: make_train_step``)."""
     train_py = load_train_module()
-    engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True)
+    engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True)  # as train.py
     carry = list(engine.init(gpt.init(torch.Generator().manual_seed(0), cfg, device=dev)))
     train_step = train_py.make_train_step(engine, functools.partial(gpt.loss, config=cfg), compile=True)
 

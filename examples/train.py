@@ -182,8 +182,10 @@ def make_train_step(engine, loss_fn, *, compile: bool):
 
     def train_step(params, state, scaler_state, batch):
         grads, (_, loss) = grad_fn(params, batch, scaler_state)
-        params, state, scaler_state, info = optimizer_step(params, grads, state, scaler_state)
-        return params, state, scaler_state, loss, info
+        # The step on the flat buffer the leaves are views of: compiled, it writes the new params
+        # in the update's own pass; a pytree costs a pass per leaf (docs/performance.md).
+        flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
+        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
 
     return train_step
 
@@ -264,7 +266,9 @@ def main(argv=None):
     dtype = DTYPES[args.dtype]
     loss_scale = fzero.DynamicLossScale() if dtype == torch.float16 else None  # BF16 and FP32 need none
     bucket_bytes = int(args.bucket_mb * 2**20) or None
-    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes)
+    # donate: the loop never reuses a step's inputs, so the step writes state and params in place
+    # (no new shard-sized buffers each step; on a CPU those are fresh pages from the OS).
+    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes, donate=True)
     params, state, scaler_state = engine.init(params_fp32)  # params in --dtype; FP32 state, 1/N of it
 
     state_bytes = engine.state_bytes(state)

@@ -221,7 +221,12 @@ class Engine:
         else:
             new_params = comm.all_gather(shard.to(path.device, non_blocking=True), layout)
             new_params = new_params if flat_in else unflatten(new_params, layout, like=params)
-            new_params = write_into(params, new_params) if self.donate else new_params
+            # Compiled, writing a pytree's leaves in place costs more than the whole update:
+            # inductor keeps the new FP32 master in a shard-sized temporary to cast each leaf
+            # from, so donated FP16/BF16 params come back in a new buffer (docs/performance.md).
+            # FP32 params are the master itself: a new buffer would be one more copy of it.
+            in_place = self.donate and (flat_in or not torch.compiler.is_compiling() or self.param_dtype == torch.float32)
+            new_params = write_into(params, new_params) if in_place else new_params
 
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": norm.float(),
@@ -335,9 +340,10 @@ def zero1(
         for its grads on the host (a device->host copy), by construction. Default ``None``.
       donate: ``step`` writes the new optimizer state and params into the input ``state``'s and
         ``params``' buffers and returns them (JAX's ``donate_argnums``): the inputs must not be
-        used again. With ``torch.compile`` the FP32 state then exists once during the step and
-        nothing state- or param-sized is allocated; without (default), the step is pure and
-        holds old and new state at its peak.
+        used again. With ``torch.compile`` the FP32 state then exists once during the step;
+        FP16/BF16 params passed as a pytree (not the flat buffer) then come back in a new
+        ``[N*S]`` buffer, which is cheaper there than writing each leaf. Without (default), the
+        step is pure and holds old and new state at its peak.
       chunk_numel: an eager step on a CPU shard (CPU training, or ``offload``) updates it in
         chunks of this many elements (default 2**18), so its temporaries stay cache-sized
         (``None``: all at once). Results do not depend on it; compiled steps and CUDA shards
