@@ -52,12 +52,13 @@ def storage_bytes(*trees) -> int:
     return sum(seen.values())
 
 
-def measure(P: int, N: int, device: torch.device, leaves: int = 16) -> dict:
-    """Run rank 0 of N (simulated) for one step; return held and peak bytes."""
+def measure(P: int, N: int, device: torch.device, leaves: int = 16, replicas: int = 1) -> dict:
+    """Run rank 0 of N (simulated; of ``replicas x N`` on a hybrid mesh) for one step; return
+    held and peak bytes."""
     sizes = [P // leaves] * (leaves - 1) + [P - (P // leaves) * (leaves - 1)]
     # FP16 inputs keep the 1B-parameter rows within a 24 GiB host; init casts them to FP32 shards.
     init_params = {f"w{i}": torch.full((n,), 0.01, dtype=torch.float16, device=device) for i, n in enumerate(sizes)}
-    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, simulate=(0, N))
+    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, simulate=(0, N, replicas))
     params, state, ss = engine.init(init_params)
     del init_params
     grads = optree.tree_map(lambda p: torch.full_like(p, 1e-3), params)
@@ -77,7 +78,7 @@ def measure(P: int, N: int, device: torch.device, leaves: int = 16) -> dict:
     acc = engine.accumulate(engine.accumulate(None, grads), grads)
     out["acc_stage1"] = storage_bytes(acc)
     del acc, state
-    stage2 = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, simulate=(0, N), stage=2)
+    stage2 = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, simulate=(0, N, replicas), stage=2)
     stage2.init(params)
     acc = stage2.accumulate(stage2.accumulate(None, grads), grads)
     out["acc_stage2"] = storage_bytes(acc)

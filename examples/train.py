@@ -37,6 +37,7 @@ import time
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
 import fzero
@@ -81,6 +82,10 @@ def parse_args(argv=None):
     p.add_argument("--comm-every", type=int, default=50, metavar="N",
                    help="every N steps, time each bucket's reduce-scatter and all-gather alone into the log "
                         "(0: never; needs 2+ ranks): %(default)s")
+    p.add_argument("--mesh", metavar="R,S",
+                   help="hybrid sharding: R replicas x S shards (R*S = ranks; e.g. nodes,GPUs-per-node): the "
+                        "optimizer state is sharded over the S ranks of a replica and copied R times "
+                        "(default: sharded over all ranks)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the optimizer step (torch.compile, one graph): %(default)s")
     p.add_argument("--log-every", type=int, default=10, metavar="N",
@@ -88,7 +93,24 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.log_every < 1:
         p.error("--steps, --batch-size and --log-every must be positive")
+    if args.mesh is not None:
+        try:
+            args.mesh = tuple(int(x) for x in args.mesh.split(","))
+        except ValueError:
+            args.mesh = ()
+        if len(args.mesh) != 2 or min(args.mesh) < 1:
+            p.error("--mesh must be two positive integers R,S (replicas, shards), e.g. --mesh 2,4")
     return args
+
+
+def make_mesh(spec, world: int, device: torch.device):
+    """The ``("replicate", "shard")`` device mesh of ``--mesh R,S`` (``None`` without it)."""
+    if spec is None:
+        return None
+    replicas, shards = spec
+    if replicas * shards != world:
+        raise SystemExit(f"--mesh {replicas},{shards} needs {replicas * shards} ranks, this run has {world}")
+    return init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
 
 # ---------------------------------------------------------------- processes
@@ -268,7 +290,9 @@ def main(argv=None):
     bucket_bytes = int(args.bucket_mb * 2**20) or None
     # donate: the loop never reuses a step's inputs, so the step writes state and params in place
     # (no new shard-sized buffers each step; on a CPU those are fresh pages from the OS).
-    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes, donate=True)
+    mesh = make_mesh(args.mesh, world, device)  # None: ZeRO-1 over all ranks
+    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes, donate=True, mesh=mesh)
+    shards = engine.comm.world_size  # the optimizer state is split over these ranks
     params, state, scaler_state = engine.init(params_fp32)  # params in --dtype; FP32 state, 1/N of it
 
     state_bytes = engine.state_bytes(state)
@@ -281,8 +305,9 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
-        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments + the decay mask, 1/{world} each); "
-              f"{len(engine.layout.buckets)} communication bucket(s)")
+        how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shards"
+        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments + the decay mask, 1/{shards} each: "
+              f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
     log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
 
     first_step, resumed = 1, None

@@ -38,7 +38,7 @@ def grad_and_value(
     params: Any,
     layout: Layout,
     start_bucket: Callable[[torch.Tensor, int], torch.Tensor],
-    wait: Callable[[torch.Tensor, str], torch.Tensor],
+    wait: Callable[[torch.Tensor, int], torch.Tensor],
     args: tuple,
     kwargs: dict,
     *,
@@ -47,7 +47,8 @@ def grad_and_value(
 ) -> tuple[torch.Tensor, Any]:
     """``(shard, value)``: ``value = fn(params, *args, **kwargs)``; ``shard`` = the concatenated
     ``[S_b]`` results of ``start_bucket(grads of bucket i as [N*S_b] in dtype, i)``, each
-    started during backward (see module doc). ``params``: a pytree laid out by ``layout``.
+    started during backward (see module doc) and finished by ``wait(its result, i)``. ``params``:
+    a pytree laid out by ``layout``.
 
     ``fn`` returns a 0-d loss, or ``(loss, aux)`` with ``has_aux``. Eager only: under
     ``torch.compile`` compile the whole train step instead and let inductor schedule."""
@@ -96,7 +97,7 @@ def grad_and_value(
     for k in range(len(layout.buckets)):  # buckets with leaves that got no grad, in bucket order
         for i in sorted(missing[k]):
             arrive(i, None)
-    parts = [wait(x, f"reduce_scatter of grads (bucket {k} of {len(started)})") for k, x in enumerate(started)]
+    parts = [wait(x, k) for k, x in enumerate(started)]  # bucket k's reduce, finished
     shard = concat(parts)
     value = (loss.detach(), out[1]) if has_aux else loss.detach()
     return shard, value

@@ -5,12 +5,15 @@ they return new tensors instead of mutating, so the step stays pure and ``torch.
 traces them into the graph (``fullgraph=True``). In eager mode their results are waited on
 here, before they leave this module. Each collective is one call per bucket, never per leaf.
 
-Two communicators with one interface: ``Comm``, the static view of a process group that the
-step needs (``None`` group, or a world of one, means one process: no collective is ever
-called), and ``SimulatedComm``, any rank of any world size on one device with no process group
-(for memory accounting). The engine takes either (``zero1(group=...)``), and so can a test's
-recording subclass. The averaging lives here too: ``reduce_scatter_mean`` and ``start_mean``
-hide FSDP's pre/post split of the 1/N behind ``mean_factor``.
+Three communicators with one interface: ``Comm``, the static view of a process group that
+the step needs (``None`` group, or a world of one, means one process: no collective is ever
+called); ``HybridComm``, a 2-D ``("replicate", "shard")`` device mesh (state sharded over the
+shard group, copied over the replicate group: ``zero1(mesh=...)``); and ``SimulatedComm``, any
+rank of any world size (or mesh) on one device with no process group (for memory accounting).
+The engine takes any of them (``zero1(group=...)``), and so can a test's recording subclass.
+``rank`` and ``world_size`` are always the shard group's: what the layout is built for. The
+averaging lives here too: ``reduce_scatter_mean`` and ``start_mean`` hide FSDP's pre/post split
+of the 1/N behind ``mean_factor``.
 
 **Holding no process group.** ``Comm`` keeps the group's *name*, never the ``ProcessGroup``
 object: the functional collectives take the name, and the few object-based calls (barrier,
@@ -42,12 +45,14 @@ import torch.distributed._functional_collectives as funcol
 
 from .flat import Layout, concat
 
-__all__ = ["Comm", "SimulatedComm", "CollectiveError", "resolve_group", "shutdown", "predivide_factor"]
+__all__ = ["Comm", "HybridComm", "SimulatedComm", "CollectiveError", "resolve_group", "comm_of_mesh", "shutdown",
+           "predivide_factor"]
 
 # torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _all_reduce = funcol.all_reduce
+_broadcast = funcol.broadcast
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -78,19 +83,36 @@ class _Collectives:
     ``all_gather_bucket``, ``all_reduce_sum``) and ``all_gather_object``: the averaging
     reduce-scatter, the gather of a whole shard, the cross-rank agreement check."""
 
-    rank: int
-    world_size: int
+    rank: int  # in the shard group: the layout's rank
+    world_size: int  # ranks the state is sharded over: the layout's N
+    replica: ClassVar[int] = 0  # which copy of the shards this rank holds (hybrid: the replicate index)
+    replicas: ClassVar[int] = 1  # copies of the shards (hybrid: the replicate group's size)
     simulated: ClassVar[bool] = False
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that feed grads into one update: shards x replicas (1: nothing to reduce)."""
+        return self.world_size * self.replicas
 
     def mean_factor(self, dtype: torch.dtype) -> float:
         """``f`` with ``mean over ranks = f * (what reduce_scatter_mean returns)`` for a sum in
-        ``dtype``: ``1/N`` for FP32; ``pre/N`` for a low-precision sum, whose inputs are first
-        divided by ``pre`` (FSDP's split of the 1/N, see ``predivide_factor``)."""
-        return self._pre(dtype) / self.world_size
+        ``dtype``: ``1/N`` for FP32 (N = every data-parallel rank, replicas included); ``pre/N``
+        for a low-precision sum, whose inputs are first divided by ``pre`` (FSDP's split of the
+        1/N, see ``predivide_factor``)."""
+        return self._pre(dtype) / self.data_parallel
 
     def _pre(self, dtype: torch.dtype) -> float:
-        low = self.world_size > 1 and dtype != torch.float32
-        return predivide_factor(self.world_size) if low else 1.0
+        low = self.data_parallel > 1 and dtype != torch.float32
+        return predivide_factor(self.data_parallel) if low else 1.0
+
+    def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        """Finish bucket ``i``'s reduce started with ``start_mean(..., wait=False)``."""
+        return self.wait(x, f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)})")
+
+    def replicate_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """The first replica's ``shard`` (hybrid: a broadcast over the replicate group), so that
+        every copy of the state starts equal. Identity without replicas."""
+        return shard
 
     def start_mean(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
         """Bucket ``i``'s ``[N*S_b]`` grads (a buffer the caller gives up: pre-divided in place)
@@ -108,7 +130,7 @@ class _Collectives:
         divides its inputs by ``pre`` ~ sqrt(N) first (``predivide_factor``)."""
         pre = self._pre(buckets[0].dtype)
         parts = [self.reduce_scatter_bucket(x if pre == 1.0 else x / pre, i, layout) for i, x in enumerate(buckets)]
-        return concat(parts), pre / self.world_size
+        return concat(parts), self.mean_factor(buckets[0].dtype)
 
     def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
         """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""
@@ -269,19 +291,102 @@ class Comm(_Collectives):
 
 
 @dataclasses.dataclass(frozen=True)
+class HybridComm(Comm):
+    """Hybrid sharding on a 2-D ``DeviceMesh`` named ``("replicate", "shard")``: the state is
+    sharded over the ``shard`` group (``rank``/``world_size`` are that group's, so the layout is
+    for S ranks) and held whole by each of the R replicas in the ``replicate`` group.
+
+    Per bucket the grads are reduce-scattered inside the shard group, then the ``[S_b]`` result
+    is summed over the replicate group (one all-reduce of 1/S of the grads), and the new params
+    are all-gathered inside the shard group. After that all-reduce every replica holds the same
+    reduced shard bit for bit, so the norm's all-reduce over the shard group is already the
+    global one, and an inf/NaN on any rank has reached every rank's sum: one agreement for all.
+    Object gathers (init checks, checkpoints) go over both groups and list ranks replica-major
+    (the mesh's order)."""
+
+    replicate: str | None = None  # the replicate group's name
+    replica: int = 0  # this rank's index in it
+    replicas: int = 1  # its size
+
+    @classmethod
+    def of_mesh(cls, mesh) -> "HybridComm":
+        shard, rep = mesh.get_group("shard"), mesh.get_group("replicate")
+        _shutdown_at_exit()
+        return cls(_group_name(shard), dist.get_rank(shard), dist.get_world_size(shard), _group_name(shard),
+                   _group_name(rep), dist.get_rank(rep), dist.get_world_size(rep))
+
+    def check_unchanged(self) -> None:
+        super().check_unchanged()
+        try:
+            now = dist.get_world_size(_resolve_name(self.replicate))
+        except (RuntimeError, ValueError, KeyError):
+            now = 0
+        if now != self.replicas:
+            raise ValueError(f"replicate group has {now} ranks but the engine was initialized for {self.replicas}")
+
+    def _sum_replicas(self, x: torch.Tensor, what) -> torch.Tensor:
+        if self.replicas == 1:
+            return x
+        return self._call(what, _all_reduce, x, "sum", self.replicate)
+
+    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+        """Inside the shard group, then summed over the replicas; ``wait=False`` returns the
+        shard group's part in flight and ``wait_reduced`` sums it over the replicas."""
+        part = super().reduce_scatter_bucket(x, i, layout, wait=wait)
+        return self._sum_replicas(part, lambda: f"all_reduce of grads over replicas (bucket {i})") if wait else part
+
+    def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        part = super().wait_reduced(x, i, layout)
+        return self._sum_replicas(part, lambda: f"all_reduce of grads over replicas (bucket {i})")
+
+    def replicate_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.replicas == 1:
+            return shard
+        # src is the rank within the replicate group (a ProcessGroup's root rank)
+        return self._call(lambda: "broadcast of the initial shard over replicas", _broadcast, shard, 0, self.replicate)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, replica-major: ``[replica * S + shard]``."""
+        inner = super().all_gather_object(obj)
+        if self.replicas == 1:
+            return inner
+        out = [None] * self.replicas
+        dist.all_gather_object(out, inner, group=_resolve_name(self.replicate))
+        return [x for group in out for x in group]
+
+
+def comm_of_mesh(mesh) -> Comm:
+    """The communicator of a ``DeviceMesh``: 1-D, its group's ``Comm``; 2-D, named
+    ``("replicate", "shard")``, a ``HybridComm``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        return Comm.of(mesh.get_group())
+    if mesh.ndim != 2 or names != ("replicate", "shard"):
+        raise ValueError(f"mesh must be 1-D, or 2-D with mesh_dim_names ('replicate', 'shard'); got {mesh.ndim}-D "
+                         f"with names {names or None} (init_device_mesh(device_type, (R, S), "
+                         "mesh_dim_names=('replicate', 'shard')))")
+    return HybridComm.of_mesh(mesh)
+
+
+@dataclasses.dataclass(frozen=True)
 class SimulatedComm(_Collectives):
     """Rank ``rank`` of ``world_size`` ranks that all hold identical tensors, with no process
     group: sums are ``world_size * x``, gathers repeat this rank's shard. The buffers have the
     true sizes, so one device measures any rank of any world size (``zero1(group=
-    SimulatedComm(0, 64))``, or its shorthand ``zero1(simulate=(0, 64))``)."""
+    SimulatedComm(0, 64))``, or its shorthand ``zero1(simulate=(0, 64))``). ``replicas=R``
+    simulates a hybrid mesh of R replicas x ``world_size`` shards (``simulate=(0, 8, 8)``: an
+    8x8 mesh): the grads are then summed over all R x world_size ranks."""
 
     rank: int
     world_size: int
+    replicas: int = 1
     simulated: ClassVar[bool] = True
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
 
     def check_unchanged(self) -> None:
         """A simulated world never changes."""
@@ -291,7 +396,7 @@ class SimulatedComm(_Collectives):
 
     def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
         b = layout.buckets[i]
-        return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.world_size
+        return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.data_parallel
 
     def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         return x.repeat(self.world_size)

@@ -25,7 +25,7 @@ import torch
 from transforms import ShardContext, scalar
 
 from . import checks
-from .comm import Comm, SimulatedComm
+from .comm import Comm, SimulatedComm, comm_of_mesh
 from .flat import Layout, flat_buffer, leaf_paths, make_layout, per_leaf_shard, tree_shard, unflatten
 from .grads import Accumulated, GradPath, Segments
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
@@ -63,8 +63,8 @@ class Engine:
     engine). The binding stays here rather than in the state so that the state is a pytree of
     tensors only: what a checkpoint stores, and what ``torch.compile`` guards on."""
 
-    def __init__(self, tx, *, param_dtype, loss_scale, group, reduce_dtype, alignment, bucket_bytes, stage, offload,
-                 donate, chunk_numel, simulate):
+    def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, alignment, bucket_bytes, stage,
+                 offload, donate, chunk_numel, simulate):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
         if loss_scale == "auto":
@@ -75,9 +75,15 @@ class Engine:
         self.reduce_dtype, self.alignment, self.stage = reduce_dtype, alignment, stage
         self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
         self.offload, self.donate, self.chunk_numel = offload, donate, chunk_numel
+        given = [name for name, v in (("group", group), ("mesh", mesh), ("simulate", simulate)) if v is not None]
+        if len(given) > 1:
+            raise ValueError(f"zero1: give at most one of group=, mesh= and simulate= (got {' and '.join(given)})")
         if simulate is not None:
             group = SimulatedComm(*simulate)
-        self.comm = group if isinstance(group, (Comm, SimulatedComm)) else Comm.of(group)
+        if mesh is not None:
+            self.comm = comm_of_mesh(mesh)
+        else:
+            self.comm = group if isinstance(group, (Comm, SimulatedComm)) else Comm.of(group)
         self._bound: _Bound | None = None
 
     @property
@@ -105,12 +111,13 @@ class Engine:
         state_device = torch.device("cpu") if self.offload else device
         with torch.no_grad():
             shard = tree_shard(params, layout, comm.rank, dtype=torch.float32)
+            shard = comm.replicate_shard(shard)  # with replicas: the first one's, so that all copies agree
             first_params = cast_params(shard, self.param_dtype, copy=True)
         state = self._fresh_state(params, layout, self._to_state_device(shard, state_device))
         # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
         # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
         comm.check_same("engine configuration", {**layout.table(), **self._config_table(layout, state.tx_state)})
-        reduce_dtype = self.param_dtype if comm.world_size == 1 else self.reduce_dtype
+        reduce_dtype = self.param_dtype if comm.data_parallel == 1 else self.reduce_dtype
         paths, leaves, spec = leaf_paths(state.tx_state)
         bound = _Bound(GradPath(layout, comm, device, self.param_dtype, reduce_dtype, self.stage), state_device,
                        tuple((p, x.shape, x.dtype) for p, x in zip(paths, leaves)), spec)
@@ -310,6 +317,7 @@ def zero1(
     param_dtype: torch.dtype = torch.float16,
     loss_scale="auto",
     group=None,
+    mesh=None,
     reduce_dtype: torch.dtype = torch.float32,
     alignment: int = 64,
     bucket_bytes: int | None = None,
@@ -317,7 +325,7 @@ def zero1(
     offload: str | None = None,
     donate: bool = False,
     chunk_numel: int | None = 2**18,
-    simulate: tuple[int, int] | None = None,
+    simulate: tuple[int, ...] | None = None,
 ) -> Engine:
     """A ZeRO engine (stage 1 by default) for gradient transformation ``tx``.
 
@@ -327,6 +335,11 @@ def zero1(
         default ``"auto"``: dynamic for fp16, none otherwise.
       group: a ProcessGroup; ``None`` = WORLD if torch.distributed is initialized, else one
         process; or a communicator (``fzero.comm.Comm``, ``SimulatedComm``, or a subclass).
+      mesh: a ``DeviceMesh`` instead of ``group``: 1-D, the same as ``group=`` its group; 2-D
+        with ``mesh_dim_names=("replicate", "shard")``, hybrid sharding: master and moments
+        sharded over ``shard`` (12P/S bytes per rank), replicated over ``replicate``; grads
+        reduce-scattered inside the shard group, the shard all-reduced over the replicate
+        group, params all-gathered inside the shard group (``fzero.comm.HybridComm``).
       reduce_dtype: dtype of the gradient reduce-scatter: FP32 (default; 2x the wire bytes of
         FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
       alignment: each rank's slice of each bucket is a multiple of this many elements (64).
@@ -350,7 +363,8 @@ def zero1(
         ignore it.
       simulate: ``(rank, world_size)``: shorthand for ``group=SimulatedComm(rank, world_size)``:
         act as that rank of that many ranks with no process group, every rank holding the
-        same grads (for memory accounting on one device).
+        same grads (for memory accounting on one device); ``(rank, shards, replicas)``: a rank
+        of a hybrid mesh.
     """
     options = dict(locals())
     return Engine(options.pop("tx"), **options)

@@ -156,7 +156,7 @@ class GradPath:
         at world size 1 (nothing to reduce) grads that are not ``Accumulated`` become a
         ``Reduced`` of ``Segments``: the caller's leaves (or flat grads) as they are."""
         if not isinstance(grads, Accumulated):
-            if segments and self.comm.world_size == 1:
+            if segments and self.comm.data_parallel == 1:
                 return Reduced(self.segments(grads), 1.0, 1, False)
             owned = not isinstance(grads, torch.Tensor) or grads.dtype != self.reduce_dtype  # new buffers
             return Unreduced(self.buckets(grads, self.reduce_dtype), 1, owned)
@@ -194,7 +194,7 @@ class GradPath:
         if isinstance(form, Reduced):
             return form
         shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout)
-        return Reduced(shard, factor, form.count, form.owned or self.comm.world_size > 1)
+        return Reduced(shard, factor, form.count, form.owned or self.comm.data_parallel > 1)
 
     # ------------------------------------------------------------------ micro-batches
     def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:
@@ -246,6 +246,9 @@ class GradPath:
         def start(buf: torch.Tensor, i: int) -> torch.Tensor:  # buf: [N*S_b] grads in reduce_dtype, ours
             return comm.start_mean(buf, i, layout, wait=not overlap)
 
-        shard, value = backward.grad_and_value(fn, params, layout, start, comm.wait, args, kwargs,
+        def finish(x: torch.Tensor, i: int) -> torch.Tensor:
+            return comm.wait_reduced(x, i, layout)
+
+        shard, value = backward.grad_and_value(fn, params, layout, start, finish, args, kwargs,
                                                dtype=self.reduce_dtype, has_aux=has_aux)
         return Accumulated(shard, torch.ones((), dtype=torch.int32, device=self.device)), value

@@ -122,6 +122,32 @@ class RecordingComm(fzero.comm.Comm):
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordingHybridComm(fzero.comm.HybridComm):
+    """A real hybrid communicator (``RecordingHybridComm.of_mesh(mesh)``, then
+    ``zero1(group=...)``) that logs every tensor collective it issues as ``(name, group,
+    bytes)``: name ``"reduce_scatter"``/``"all_gather"``/``"all_reduce"``/``"broadcast"``,
+    group ``"shard"`` or ``"replicate"``, bytes of the input tensor."""
+
+    events: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    def _call(self, what, fn, *args, wait=True):
+        x, group = args[0], args[-1]
+        name = {fzero.comm._reduce_scatter: "reduce_scatter", fzero.comm._all_gather: "all_gather",
+                fzero.comm._all_reduce: "all_reduce", fzero.comm._broadcast: "broadcast"}[fn]
+        self.events.append((name, "shard" if group == self.group else "replicate", x.numel() * x.element_size()))
+        return super()._call(what, fn, *args, wait=wait)
+
+    def counts(self) -> dict[tuple[str, str], list[int]]:
+        """``{(name, group): [calls, bytes]}`` of the collectives logged so far."""
+        out: dict[tuple[str, str], list[int]] = {}
+        for name, group, nbytes in self.events:
+            c = out.setdefault((name, group), [0, 0])
+            c[0] += 1
+            c[1] += nbytes
+        return out
+
+
 class NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the element count of every tensor an aten op creates (views excluded): what a
     step allocates."""

@@ -4,6 +4,7 @@ import os
 import optree
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 import torch.distributed as dist
 
 import fzero
@@ -160,12 +161,15 @@ def test_shutdown_joins_the_gloo_threads_while_the_engine_is_alive(destroy_only)
         assert r["after"] == [] and not r["initialized"], r  # the backend is gone, not leaked
 
 
-def mean_of_ranks(rank, world_size):
-    comm = fzero.comm.Comm.of(None)
-    layout = fzero.make_layout({"a": torch.zeros(10), "b": torch.zeros(7)}, world_size, alignment=2, bucket_numel=8)
+def mean_of_ranks(rank, world_size, mesh=None):
+    if mesh is None:
+        comm = fzero.comm.Comm.of(None)
+    else:  # hybrid: the mean covers the replicas too
+        comm = fzero.comm.comm_of_mesh(init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard")))
+    layout = fzero.make_layout({"a": torch.zeros(10), "b": torch.zeros(7)}, comm.world_size, alignment=2, bucket_numel=8)
     out = {}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        buckets = [torch.full((world_size * b.shard,), 64.0 * (rank + 1), dtype=dtype) for b in layout.buckets]
+        buckets = [torch.full((comm.world_size * b.shard,), 64.0 * (rank + 1), dtype=dtype) for b in layout.buckets]
         kept = [x.clone() for x in buckets]
         partial, factor = comm.reduce_scatter_mean(buckets, layout)
         assert all(torch.equal(x, k) for x, k in zip(buckets, kept))  # the inputs are left alone
@@ -174,10 +178,10 @@ def mean_of_ranks(rank, world_size):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_reduce_scatter_mean_hides_the_pre_post_split(world_size):
+@pytest.mark.parametrize("world_size,mesh", [(2, None), (4, None), (4, (2, 2)), (4, (4, 1))])
+def test_reduce_scatter_mean_hides_the_pre_post_split(world_size, mesh):
     mean = 64.0 * (world_size + 1) / 2  # every partial sum exact in BF16
-    for res in run_ranks(mean_of_ranks, world_size):
+    for res in run_ranks(mean_of_ranks, world_size, mesh):
         for dtype, (x, got_dtype) in res.items():
             assert str(got_dtype) == dtype  # reduced in the dtype it was given
             torch.testing.assert_close(x, torch.full_like(x, mean), rtol=0, atol=0)

@@ -145,6 +145,23 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
     assert two_summary["opt_state_bytes_per_rank"] < 0.55 * one_summary["opt_state_bytes_per_rank"]
 
 
+def test_mesh_of_two_replicas_by_two_shards_follows_four_flat_ranks(tmp_path):
+    """``--mesh 2,2`` on 4 ranks (2 "nodes" x 2): the same loss curve as ZeRO-1 over all 4, with
+    twice the optimizer state per rank (sharded over 2, not 4). A mesh that does not match the
+    ranks is refused."""
+    common = [*SMALL_GPT, "--dtype", "fp32", "--steps", "10", "--eval-every", "0", "--comm-every", "5"]
+    flat, flat_summary, _ = train(tmp_path / "flat", *common, nproc=4)
+    hybrid, hybrid_summary, proc = train(tmp_path / "hybrid", *common, "--mesh", "2,2", nproc=4)
+    assert "1/2 each: 2 replicas x 2 shards" in proc.stdout
+    for a, b in zip(flat, hybrid, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"], (a, b)
+    assert abs(flat_summary["final_val_loss"] - hybrid_summary["final_val_loss"]) < 1e-5
+    ratio = hybrid_summary["opt_state_bytes_per_rank"] / flat_summary["opt_state_bytes_per_rank"]
+    assert 1.9 < ratio < 2.1
+    _, _, proc = train(tmp_path / "bad", *common, "--mesh", "3,2", nproc=2, check=False)
+    assert proc.returncode != 0 and "--mesh 3,2 needs 6 ranks, this run has 2" in proc.stdout + proc.stderr
+
+
 def test_batch_size_must_divide_over_ranks(tmp_path):
     _, _, proc = train(tmp_path / "bad", *SMALL_GPT, "--batch-size", "7", "--steps", "1", nproc=2, check=False)
     assert proc.returncode != 0

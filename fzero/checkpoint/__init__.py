@@ -84,7 +84,7 @@ def _agree(comm, what: str, fn: Callable[[], Any], *, gather: bool = False):
         result, err, exc = fn(), None, None
     except Exception as e:  # noqa: BLE001 -- reported to every rank, then raised
         result, err, exc = None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}", e
-    if comm.world_size == 1:
+    if comm.data_parallel == 1:
         if exc is not None:
             if isinstance(exc, CheckpointError):
                 raise exc
@@ -151,17 +151,21 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     layout, comm = _ready(engine)
     path = os.path.abspath(os.fspath(path))
     rank, n, what = comm.rank, comm.world_size, f"save {path}"
+    # With replicas (a hybrid mesh) the first replica's shard ranks write; the others only agree.
+    writer = comm.replica == 0
+    lead = writer and rank == 0
     names, leaves, kinds, extra_text = _agree(comm, what, lambda: _check_save_args(params, state, scaler_state, layout, extra))
-    snapshot = _agree(comm, what, lambda: commit._begin(path, _hook) if rank == 0 else None, gather=True)[0]
+    snapshot = _agree(comm, what, lambda: commit._begin(path, _hook) if lead else None, gather=True)[0]
     directory, committed = os.path.join(path, snapshot), []
     try:
         owned = layout.owned(rank)
         files = _agree(
-            comm, what, lambda: commit._write_shard(directory, rank, n, names, leaves, kinds, owned, _hook), gather=True
-        )
+            comm, what, lambda: commit._write_shard(directory, rank, n, names, leaves, kinds, owned, _hook) if writer else None,
+            gather=True,
+        )[:n]  # replica-major: the first replica's, in shard order
 
         def finish():
-            if rank == 0:
+            if lead:
                 m = manifest._manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, files)
                 digest = commit._write_manifest(directory, m, _hook)
                 commit._commit(path, snapshot, digest, _hook)
@@ -169,7 +173,7 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
 
         _agree(comm, what, finish)
     except CheckpointError:
-        if rank == 0 and not committed:  # the pointer still names the previous snapshot
+        if lead and not committed:  # the pointer still names the previous snapshot
             shutil.rmtree(directory, ignore_errors=True)
         raise
 
@@ -220,7 +224,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     leaves, scaler, differ = _agree(
         comm, what, lambda: reshard._read_state(path, snapshot, m, t, layout.owned(rank), engine, hyperparams)
     )
-    if differ and hyperparams == "engine" and rank == 0:
+    if differ and hyperparams == "engine" and rank == 0 and comm.replica == 0:
         listed = "; ".join(f"{name}: checkpoint {saved!r}, engine {mine!r}" for name, saved, mine in differ)
         warnings.warn(f"load {path}: hyperparameters differ from the checkpoint's, the engine's take effect "
                       f"(load(..., hyperparams=\"checkpoint\") restores the saved ones): {listed}", stacklevel=2)
@@ -264,7 +268,7 @@ def export_full(path, params_or_state, engine: Engine) -> None:
         kind = "params"
 
     def write():
-        if comm.rank != 0:
+        if comm.rank != 0 or comm.replica != 0:
             return None
         tensors = {p: leaf.detach().to("cpu").clone().contiguous() for p, leaf in zip(layout.paths, leaves)}
         meta = {"format": EXPORT_FORMAT, "kind": kind, "dtype": _dtype_name(leaves[0].dtype)}
