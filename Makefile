@@ -22,7 +22,10 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(PY) -m pytest -q
 
+# The flags are checked once before torchrun starts: a bad one is one line, not one per rank
+# followed by torchrun's report of failed workers.
 train: setup
+	WORLD_SIZE=$(NPROC) $(PY) examples/train.py --check-args --model gpt --dtype fp16 --device cpu $(TRAIN_ARGS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) examples/train.py \
 		--model gpt --dtype fp16 --device cpu $(TRAIN_ARGS)
 

@@ -15,10 +15,16 @@ loop syncs the host only at log steps: every --log-every steps, and at the steps
 (evaluation, collective timing, checkpoints). Until then the per-step loss, found_inf, loss scale
 and grad norm stay 0-d tensors on the device.
 
-Writes <out>/metrics.jsonl (one record per step, written at the log steps, then {"summary": ...};
-step_time_s and tokens_per_s are the means over the steps since the last log; after --resume the
-summary's "resumed" holds the checkpoint, its step and the hyperparameters the run continued with)
-and <out>/loss.png.
+Writes <out>/metrics.jsonl: first {"config": ...} (every flag, world size, device, torch and
+fzero versions, param count, optimizer-state bytes per rank), then one record per step (written
+at the log steps; step_time_s and tokens_per_s are the means over the steps since the last log),
+then {"summary": ...} (its "checkpoints" lists the ones saved; after --resume its "resumed" holds
+the checkpoint, its step and the hyperparameters the run continued with); and <out>/loss.png
+(loss, learning rate, loss scale).
+
+Progress: a tqdm bar on a terminal; without one (a file, a pipe, a terminal with no size) one
+line per log step. A bad flag stops the run before any work with one line naming it and a valid
+value, exit code 2.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -46,23 +53,29 @@ from data import CharCorpus, TeacherRegression
 from models import gpt, mlp
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+MLP_DIMS = "64,256,256,64"
 GPT_CONFIGS = {  # vocab_size becomes the data's (97 characters); params counted at that vocab
     "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),  # 0.11M: minutes on CPU
     "tiny": gpt.GPTConfig.tiny,  # 0.82M
     "small": gpt.GPTConfig.small,  # 10.8M
     "gpt2": gpt.GPTConfig.gpt2,  # 85.9M, for GPUs
 }
+CONFIG_HELP = ("nano 0.11M params, context 64; tiny 0.82M, 128; small 10.8M, 256; "
+               "gpt2 85.9M, 1024 (GPU)")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="%(default)s")
-    p.add_argument("--config", choices=GPT_CONFIGS, default="nano", help="GPT size: %(default)s")
-    p.add_argument("--block-size", type=int, help="GPT context length in characters (default: the config's)")
-    p.add_argument("--mlp-dims", default="64,256,256,64", help="MLP widths, student and teacher: %(default)s")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt",
+                   help="gpt: a character-level GPT on text; mlp: a regression MLP fit to a fixed teacher "
+                        "MLP on random inputs: %(default)s")
+    p.add_argument("--config", choices=GPT_CONFIGS, help="GPT size (default nano): " + CONFIG_HELP)
+    p.add_argument("--block-size", type=int, help="GPT context length in characters, at most the config's "
+                                                  "(default: the config's)")
+    p.add_argument("--mlp-dims", help=f"MLP widths, input to output, for --model mlp (default {MLP_DIMS})")
     p.add_argument("--data", metavar="FILE", help="text file for the GPT (default: the Python standard library)")
     p.add_argument("--dtype", choices=DTYPES, default="fp16", help="param dtype (fp16: loss scaling): %(default)s")
-    p.add_argument("--steps", type=int, default=600, help="%(default)s")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps: %(default)s")
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, sequences: %(default)s")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, warmup then cosine to 1/10: %(default)s")
     p.add_argument("--warmup", type=int, default=30, help="learning-rate warmup steps: %(default)s")
@@ -70,8 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm, inf for none: %(default)s")
     p.add_argument("--eval-every", type=int, default=50, help="steps between val losses, and at the end: %(default)s")
     p.add_argument("--eval-batches", type=int, default=4, help="fixed val batches per evaluation: %(default)s")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="%(default)s")
-    p.add_argument("--seed", type=int, default=0, help="%(default)s")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA if torch sees a GPU (NCCL between ranks), else CPU (gloo): %(default)s")
+    p.add_argument("--seed", type=int, default=0, help="seeds the init and the batches: %(default)s")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<model>-<dtype>-<time>)")
     p.add_argument("--profile", metavar="DIR", help="write a chrome trace of steps 3-5 here, one file per rank")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
@@ -88,29 +102,98 @@ def parse_args(argv=None):
                         "(default: sharded over all ranks)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the optimizer step (torch.compile, one graph): %(default)s")
+    p.add_argument("--check-args", action="store_true",
+                   help="only check the flags for WORLD_SIZE ranks (default 1), then exit: 0 if they are valid, "
+                        "2 with one line naming the bad one (make train runs this before torchrun)")
     p.add_argument("--log-every", type=int, default=10, metavar="N",
                    help="sync the host every N steps to log them (the metrics keep every step): %(default)s")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.log_every < 1:
-        p.error("--steps, --batch-size and --log-every must be positive")
-    if args.mesh is not None:
-        try:
-            args.mesh = tuple(int(x) for x in args.mesh.split(","))
-        except ValueError:
-            args.mesh = ()
-        if len(args.mesh) != 2 or min(args.mesh) < 1:
-            p.error("--mesh must be two positive integers R,S (replicas, shards), e.g. --mesh 2,4")
     return args
 
 
-def make_mesh(spec, world: int, device: torch.device):
+class UsageError(Exception):
+    """A bad flag or combination of flags: one line that names the flag and a valid value."""
+
+
+def check_args(args, world: int) -> None:
+    """Reject every bad flag or combination before any work (``UsageError``), and fill in the
+    defaults that depend on ``--model``. ``world``: the number of ranks."""
+    gpt_only = [f for f, v in (("--config", args.config), ("--block-size", args.block_size), ("--data", args.data)) if v]
+    if args.model == "mlp" and gpt_only:
+        raise UsageError(f"{gpt_only[0]} applies to --model gpt only (drop it, or use --model gpt)")
+    if args.model == "gpt" and args.mlp_dims is not None:
+        raise UsageError("--mlp-dims applies to --model mlp only (drop it, or use --model mlp)")
+    args.config = args.config or "nano"
+    if args.model == "mlp":
+        args.mlp_dims = args.mlp_dims or MLP_DIMS
+        try:
+            dims = [int(d) for d in args.mlp_dims.split(",")]
+        except ValueError:
+            dims = []
+        if len(dims) < 2 or min(dims) < 1:
+            raise UsageError(f"--mlp-dims {args.mlp_dims!r} must be two or more positive integers, e.g. --mlp-dims {MLP_DIMS}")
+    for flag, value, lo in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1), ("--warmup", args.warmup, 0),
+                            ("--eval-every", args.eval_every, 0), ("--eval-batches", args.eval_batches, 1),
+                            ("--log-every", args.log_every, 1), ("--save-every", args.save_every, 0),
+                            ("--comm-every", args.comm_every, 0)):
+        if value < lo:
+            raise UsageError(f"{flag} must be >= {lo}, got {value}")
+    for flag, value, example in (("--lr", args.lr, "3e-3"), ("--grad-clip", args.grad_clip, "1.0 (or inf: no clipping)")):
+        if not value > 0 or math.isnan(value) or (flag == "--lr" and math.isinf(value)):
+            raise UsageError(f"{flag} must be a positive number, got {value:g} (e.g. {flag} {example})")
+    for flag, value in (("--weight-decay", args.weight_decay), ("--bucket-mb", args.bucket_mb)):
+        if not 0 <= value < math.inf:
+            raise UsageError(f"{flag} must be >= 0, got {value:g}")
+    if args.model == "gpt" and args.block_size is not None:
+        most = GPT_CONFIGS[args.config]().block_size
+        if not 1 <= args.block_size <= most:
+            raise UsageError(f"--block-size {args.block_size} is outside 1..{most}, the context the {args.config} "
+                             f"config is built for (a larger --config has a longer one: {CONFIG_HELP})")
+    if args.batch_size % world:
+        lower, upper = args.batch_size // world * world, (args.batch_size // world + 1) * world
+        valid = f"--batch-size {lower} or {upper}" if lower else f"--batch-size {upper}"
+        raise UsageError(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world}): {valid}")
+    if args.mesh is not None:
+        try:
+            replicas, shards = (int(x) for x in args.mesh.split(","))
+        except ValueError:
+            replicas = shards = 0
+        if min(replicas, shards) < 1:
+            raise UsageError(f"--mesh {args.mesh} must be two positive integers R,S (replicas, shards), e.g. --mesh 2,{world // 2 or 1}")
+        if replicas * shards != world:
+            raise UsageError(f"--mesh {args.mesh} needs {replicas * shards} ranks, this run has {world}")
+        args.mesh = (replicas, shards)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+    if args.resume:
+        try:
+            saved = fzero.checkpoint.read_manifest(args.resume)["extra"].get("step", 0)
+        except (OSError, fzero.checkpoint.CheckpointError) as e:
+            raise UsageError(f"--resume {args.resume}: not a checkpoint ({str(e).splitlines()[0]})") from None
+        if saved >= args.steps:
+            raise UsageError(f"--resume {args.resume} is at step {saved}; --steps must be more than that")
+
+
+def load_data(args):
+    """The dataset of ``--model``/``--data``/``--block-size`` (``UsageError`` for a bad file)."""
+    if args.model == "mlp":
+        return TeacherRegression(tuple(int(d) for d in args.mlp_dims.split(",")))
+    T = args.block_size or GPT_CONFIGS[args.config]().block_size
+    if not args.data:
+        return CharCorpus.from_stdlib(T)
+    if not os.path.isfile(args.data):
+        raise UsageError(f"--data {args.data}: {'is a directory' if os.path.isdir(args.data) else 'no such file'}")
+    if os.path.getsize(args.data) == 0:
+        raise UsageError(f"--data {args.data}: the file is empty")
+    try:
+        return CharCorpus.from_file(args.data, T)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--data {args.data}: {e}") from None
+
+
+def make_mesh(spec, device: torch.device):
     """The ``("replicate", "shard")`` device mesh of ``--mesh R,S`` (``None`` without it)."""
-    if spec is None:
-        return None
-    replicas, shards = spec
-    if replicas * shards != world:
-        raise SystemExit(f"--mesh {replicas},{shards} needs {replicas * shards} ranks, this run has {world}")
-    return init_device_mesh(device.type, (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    return None if spec is None else init_device_mesh(device.type, spec, mesh_dim_names=("replicate", "shard"))
 
 
 # ---------------------------------------------------------------- processes
@@ -147,17 +230,15 @@ def gather_to_all(obj) -> list:
 
 
 # ---------------------------------------------------------------- data and model
-def build(args, device):
-    """``(data, params_fp32, loss_fn, items per sequence)`` for ``--model``."""
+def build(args, data, device):
+    """``(params_fp32, loss_fn, items per sequence)`` for ``--model``, on ``data``."""
     seed = torch.Generator().manual_seed(args.seed)
     if args.model == "gpt":
         config = GPT_CONFIGS[args.config]()
-        T = args.block_size or config.block_size
-        data = CharCorpus.from_file(args.data, T) if args.data else CharCorpus.from_stdlib(T)
-        config = dataclasses.replace(config, vocab_size=data.vocab_size, block_size=T)
-        return data, gpt.init(seed, config, device=device), functools.partial(gpt.loss, config=config), T
+        config = dataclasses.replace(config, vocab_size=data.vocab_size, block_size=data.block_size)
+        return gpt.init(seed, config, device=device), functools.partial(gpt.loss, config=config), data.block_size
     dims = tuple(int(d) for d in args.mlp_dims.split(","))
-    return TeacherRegression(dims), mlp.init(seed, dims, device=device), mlp.loss, 1
+    return mlp.init(seed, dims, device=device), mlp.loss, 1
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -167,11 +248,23 @@ def decays(params):
     return optree.tree_map(lambda x: x.ndim >= 2, params)
 
 
+def lr_schedule(args):
+    """Warmup from 0 to --lr over --warmup steps, then cosine to --lr/10 at --steps: a function
+    of the count of applied updates (a 0-d tensor)."""
+    warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
+    return transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+
+
+def schedule_count(state) -> torch.Tensor:
+    """The count the learning-rate schedule reads, from the optimizer state (a 0-d tensor)."""
+    is_sched = lambda x: isinstance(x, transforms.scale.ScaleByScheduleState)  # noqa: E731
+    return next(x.count for x in optree.tree_leaves(state.tx_state, is_leaf=is_sched) if is_sched(x))
+
+
 def make_optimizer(args) -> transforms.GradientTransformation:
     """Clip by the global grad norm (over all ranks), then AdamW with a warmup-cosine learning
-    rate (to 1/10 of --lr) and decoupled weight decay on the matrices only (``decays``)."""
-    warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
-    lr = transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+    rate (``lr_schedule``) and decoupled weight decay on the matrices only (``decays``)."""
+    lr = lr_schedule(args)
     clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
     adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays)
     return transforms.chain(*clip, adamw)
@@ -223,7 +316,7 @@ class LogWindow:
     scale, grad norm) stay 0-d tensors on the device until ``drain`` converts them all at once,
     so the loop syncs the host once per window, not once per step."""
 
-    INFO_KEYS = ("found_inf", "loss_scale", "grad_norm", "scale_stuck")
+    INFO_KEYS = ("found_inf", "loss_scale", "grad_norm", "scale_stuck", "lr")
 
     def __init__(self, tokens_per_step: int, state_bytes: int):
         self.tokens_per_step, self.state_bytes = tokens_per_step, state_bytes
@@ -235,11 +328,11 @@ class LogWindow:
         """The window's step time counts from now."""
         self.t0 = time.perf_counter()
 
-    def add(self, step: int, loss: torch.Tensor, info: dict):
-        """Keep one step's 0-d loss and engine ``info``, as they are (no sync)."""
+    def add(self, step: int, loss: torch.Tensor, info: dict, lr: torch.Tensor):
+        """Keep one step's 0-d loss, engine ``info`` and learning rate, as they are (no sync)."""
         self.steps.append(step)
         self.losses.append(loss)
-        self.infos.append(info)
+        self.infos.append({**info, "lr": lr})
 
     def drain(self) -> tuple[list[dict], bool]:
         """``(records, stuck)``: one metrics record per step of the window (``val_loss`` None),
@@ -258,6 +351,7 @@ class LogWindow:
                 "step": step,
                 "loss": finite_or_none(columns["loss"][i]),
                 "val_loss": None,
+                "lr": columns["lr"][i],
                 "loss_scale": columns["loss_scale"][i],
                 "found_inf": columns["found_inf"][i],
                 "skipped_total": self.skipped,
@@ -270,18 +364,81 @@ class LogWindow:
         return records, any(columns["scale_stuck"])
 
 
+class Progress:
+    """The loop's steps, with progress on rank 0: a tqdm bar on a sized terminal; otherwise (a
+    file, a pipe, a terminal with no size: CI, ``docker exec``) one plain line per log step."""
+
+    def __init__(self, show: bool, first: int, last: int):
+        self.show, self.last, self.val = show, last, None
+        self.steps = range(first, last + 1)
+        self.bar = tqdm(self.steps, unit="step", dynamic_ncols=True) if show and sized_terminal() else None
+
+    def __iter__(self):
+        return iter(self.bar if self.bar is not None else self.steps)
+
+    def log(self, r: dict) -> None:
+        """Show a log step's record (loss, val loss, lr, loss scale, tokens/s)."""
+        if not self.show:
+            return
+        self.val = r["val_loss"] if r["val_loss"] is not None else self.val
+        fields = {"loss": "n/a" if r["loss"] is None else f"{r['loss']:.3f}",
+                  "val": "-" if self.val is None else f"{self.val:.3f}", "lr": f"{r['lr']:.2e}",
+                  "scale": f"{r['loss_scale']:g}", "tok_s": f"{r['tokens_per_s']:,.0f}"}
+        if self.bar is not None:
+            self.bar.set_postfix(fields)
+        else:
+            print(f"step {r['step']}/{self.last} | " + " | ".join(f"{k} {v}" for k, v in fields.items()), flush=True)
+
+    def write(self, line: str) -> None:
+        if self.show:
+            (self.bar.write if self.bar is not None else functools.partial(print, flush=True))(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def sized_terminal() -> bool:
+    """stderr (where tqdm draws) is a terminal that reports a width."""
+    try:
+        return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError):
+        return False
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def fzero_version() -> str:
+    try:
+        return importlib.metadata.version("fzero")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 # ---------------------------------------------------------------- main
 def main(argv=None):
     args = parse_args(argv)
+    # Every bad flag fails here, before any rank joins a group or builds a model: one line, from
+    # rank 0 only, exit code 2 (argparse's convention).
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    try:
+        check_args(args, world)
+        data = load_data(args)
+    except UsageError as e:
+        if rank == 0:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.check_args:
+        return
     device, rank, world = init_distributed(args.device)
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the number of ranks ({world})")
     lo, hi = rank * args.batch_size // world, (rank + 1) * args.batch_size // world
 
     def my_rows(batch):  # this rank's contiguous rows of a global batch
         return tuple(t[lo:hi].to(device) for t in batch)
 
-    data, params_fp32, loss_fn, seq_items = build(args, device)
+    params_fp32, loss_fn, seq_items = build(args, data, device)
 
     # fzero: the optimizer (optax-style transforms), the engine, its state.
     tx = make_optimizer(args)
@@ -290,7 +447,7 @@ def main(argv=None):
     bucket_bytes = int(args.bucket_mb * 2**20) or None
     # donate: the loop never reuses a step's inputs, so the step writes state and params in place
     # (no new shard-sized buffers each step; on a CPU those are fresh pages from the OS).
-    mesh = make_mesh(args.mesh, world, device)  # None: ZeRO-1 over all ranks
+    mesh = make_mesh(args.mesh, device)  # None: ZeRO-1 over all ranks
     engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes, donate=True, mesh=mesh)
     shards = engine.comm.world_size  # the optimizer state is split over these ranks
     params, state, scaler_state = engine.init(params_fp32)  # params in --dtype; FP32 state, 1/N of it
@@ -305,10 +462,15 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
-        how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shards"
+        how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments + the decay mask, 1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
     log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
+    if log:  # the first record: the run's settings, to read a log without its command line
+        config = {"args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+                  "world_size": world, "device": str(device), "torch": torch.__version__, "fzero": fzero_version(),
+                  "param_count": n_params, "opt_state_bytes_per_rank": state_bytes}
+        log.write(json.dumps({"config": config}) + "\n")
 
     first_step, resumed = 1, None
     if args.resume:  # same model and optimizer, any world size; batches are seeded by step
@@ -316,23 +478,23 @@ def main(argv=None):
         # load warns about each one that differs from the checkpoint's.
         params, state, scaler_state, extra = fzero.checkpoint.load(args.resume, engine)
         first_step = extra["step"] + 1
-        if first_step > args.steps:
-            raise SystemExit(f"{args.resume} is at step {extra['step']}, not before --steps {args.steps}")
         hyperparams = {name: float(v) for name, v in transforms.get_hyperparams(state).items()}  # once, before the loop
         resumed = {"from": args.resume, "step": extra["step"], "hyperparams": hyperparams}
         if rank == 0:
             print(f"resumed from {args.resume} at step {extra['step']} with hyperparameters {json.dumps(hyperparams)}")
 
     train_step = make_train_step(engine, loss_fn, compile=args.compile)
-    records, window, warned_stuck = [], LogWindow(tokens_per_step, state_bytes), False
+    lr_fn = lr_schedule(args)
+    records, window, warned_stuck, saved = [], LogWindow(tokens_per_step, state_bytes), False, []
     profiler = make_profiler(args.profile, rank) if args.profile else contextlib.nullcontext()
-    bar = tqdm(range(first_step, args.steps + 1), disable=rank != 0, unit="step", dynamic_ncols=True)
+    progress = Progress(rank == 0, first_step, args.steps)
     start = time.perf_counter()
     with profiler as prof:
-        for step in bar:
+        for step in progress:
             batch = my_rows(data.get_batch("train", step, args.batch_size, args.seed))
+            lr = lr_fn(schedule_count(state))  # the rate this step applies (a device tensor)
             params, state, scaler_state, loss, info = train_step(params, state, scaler_state, batch)
-            window.add(step, loss, info)  # still tensors: no host sync between log steps
+            window.add(step, loss, info, lr)  # still tensors: no host sync between log steps
 
             # A log step: every --log-every steps, the last one, and the steps that sync anyway
             # (evaluation, collective timing, checkpoint). The window's only host sync is here.
@@ -350,24 +512,26 @@ def main(argv=None):
                 if log:
                     log.writelines(json.dumps(r) + "\n" for r in new)
                     log.flush()
-                last = new[-1]
-                bar.set_postfix(loss="n/a" if last["loss"] is None else f"{last['loss']:.3f}",
-                                scale=f"{last['loss_scale']:g}", tok_s=f"{last['tokens_per_s']:,.0f}")
+                progress.log(new[-1])
                 if stuck and not warned_stuck:  # rare: find the culprits off the hot path
                     warned_stuck = True
                     warn_stuck(loss_fn, params, scaler_state, batch, rank)
                 if save_now:
-                    fzero.checkpoint.save(os.path.join(out, "ckpt", f"step-{step}"), params, state, scaler_state,
-                                          engine, extra={"step": step, "seed": args.seed})
+                    path, t0 = os.path.join(out, "ckpt", f"step-{step}"), time.perf_counter()
+                    fzero.checkpoint.save(path, params, state, scaler_state, engine, extra={"step": step, "seed": args.seed})
+                    saved.append(path)
+                    progress.write(f"saved checkpoint {path} ({dir_bytes(path) / 2**20:.2f} MiB, "
+                                   f"{time.perf_counter() - t0:.2f} s)")
                 window.restart_clock()  # evaluation, timing and checkpoints are not step time
             if prof:
                 prof.step()
     total_time = time.perf_counter() - start
-    bar.close()
+    progress.close()
 
     # Every rank hashes its full param buffer: ZeRO-1 must leave them bit-identical.
     digests = gather_to_all(sha256(fzero.flatten(params, engine.layout)))
     summary = summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests)
+    summary["checkpoints"] = saved
     if resumed:
         summary["resumed"] = resumed
     if rank == 0:
@@ -448,6 +612,8 @@ def print_summary(s, log_path, plot_path, trace_dir):
         ("metrics", log_path),
         ("plot", plot_path or "not written (matplotlib is not installed)"),
     ]
+    if s["checkpoints"]:
+        rows.append(("checkpoints", ", ".join(s["checkpoints"])))
     if trace_dir:
         rows.append(("profile", trace_dir))
     print()
@@ -456,7 +622,8 @@ def print_summary(s, log_path, plot_path, trace_dir):
 
 
 def plot(records, path, title):
-    """Train and val loss against steps, as a PNG; ``None`` without matplotlib."""
+    """Train and val loss against steps, and below them the learning rate and the loss scale,
+    as a PNG; ``None`` without matplotlib."""
     try:
         import matplotlib
 
@@ -467,15 +634,22 @@ def plot(records, path, title):
     train = [(r["step"], r["loss"]) for r in records if r["loss"] is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r["val_loss"] is not None]
     skipped = [(r["step"], r["loss"]) for r in records if r["found_inf"] and r["loss"] is not None]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, low) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     ax.plot(*zip(*train), lw=1, label="train")
     if val:
         ax.plot(*zip(*val), "o-", label="val")
     if skipped:
         ax.plot(*zip(*skipped), "rx", label="skipped step (overflow)")
-    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.set(ylabel="loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
+    steps = [r["step"] for r in records]
+    low.plot(steps, [r["lr"] for r in records], color="tab:green", lw=1)
+    low.set(xlabel="step", ylabel="learning rate")
+    low.grid(alpha=0.3)
+    scale = low.twinx()  # the loss scale spans orders of magnitude: its own log axis
+    scale.plot(steps, [r["loss_scale"] for r in records], color="tab:purple", lw=1)
+    scale.set(ylabel="loss scale", yscale="log")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
