@@ -75,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--mlp-dims", help=f"MLP widths, input to output, for --model mlp (default {MLP_DIMS})")
     p.add_argument("--data", metavar="FILE", help="text file for the GPT (default: the Python standard library)")
     p.add_argument("--dtype", choices=DTYPES, default="fp16", help="param dtype (fp16: loss scaling): %(default)s")
+    # (not "--master": torchrun would take that for an abbreviation of its --master-addr/-port)
+    p.add_argument("--keep-master", choices=["fp32", "remainder"], default="fp32",
+                   help="how the optimizer keeps the FP32 master: fp32 (4 bytes/param), or remainder (--dtype bf16: "
+                        "the BF16 params + an int16 remainder, 2 bytes, the same training bit for bit): %(default)s")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps: %(default)s")
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, sequences: %(default)s")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, warmup then cosine to 1/10: %(default)s")
@@ -163,6 +167,9 @@ def check_args(args, world: int) -> None:
         if replicas * shards != world:
             raise UsageError(f"--mesh {args.mesh} needs {replicas * shards} ranks, this run has {world}")
         args.mesh = (replicas, shards)
+    if args.keep_master == "remainder" and args.dtype != "bf16":
+        raise UsageError("--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, "
+                         f"got --dtype {args.dtype}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
     if args.resume:
@@ -448,7 +455,8 @@ def main(argv=None):
     # donate: the loop never reuses a step's inputs, so the step writes state and params in place
     # (no new shard-sized buffers each step; on a CPU those are fresh pages from the OS).
     mesh = make_mesh(args.mesh, device)  # None: ZeRO-1 over all ranks
-    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes, donate=True, mesh=mesh)
+    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale=loss_scale, bucket_bytes=bucket_bytes, donate=True, mesh=mesh,
+                         master=args.keep_master)
     shards = engine.comm.world_size  # the optimizer state is split over these ranks
     params, state, scaler_state = engine.init(params_fp32)  # params in --dtype; FP32 state, 1/N of it
 
@@ -463,7 +471,8 @@ def main(argv=None):
         os.makedirs(out, exist_ok=True)
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
-        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank (FP32 master + 2 moments + the decay mask, 1/{shards} each: "
+        kept = "int16 master remainder" if args.keep_master == "remainder" else "FP32 master"
+        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 moments + the decay mask, 1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
     log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
     if log:  # the first record: the run's settings, to read a log without its command line

@@ -15,6 +15,7 @@ from .scaler import DynamicLossScale, LossScaleState, StaticLossScale
 
 __all__ = [
     "PARAM_DTYPES",
+    "check_master",
     "check_param_dtype",
     "check_options",
     "check_params",
@@ -52,7 +53,18 @@ def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, buck
             raise ValueError(f"{name} must be positive or None, got {value}")
 
 
-def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: int, tx_leaves, tx_spec) -> None:
+def check_master(master: str, param_dtype: torch.dtype) -> str:
+    """``zero1(master=...)``: ``"fp32"``, or ``"remainder"`` with BF16 params."""
+    if master not in ("fp32", "remainder"):
+        raise ValueError(f"master must be 'fp32' or 'remainder', got {master!r}")
+    if master == "remainder" and param_dtype != torch.bfloat16:
+        raise ValueError(f"master='remainder' stores the FP32 master as the BF16 params plus an int16 remainder: it needs "
+                         f"param_dtype=torch.bfloat16, got {param_dtype} (use master='fp32')")
+    return master
+
+
+def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: int, tx_leaves, tx_spec,
+                master_dtype: torch.dtype = torch.float32) -> None:
     """``state``/``scaler_state`` must be what this engine's ``init``/``step`` returned: a
     ``state_type`` whose master is the ``[shard_numel]`` FP32 shard and whose transform state
     has the ``tx_leaves`` ``(path, shape, dtype)`` and structure ``tx_spec`` that ``init`` built
@@ -63,9 +75,9 @@ def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: in
         raise TypeError(f"scaler_state must be the LossScaleState from this engine's init/step, "
                         f"got {type(scaler_state).__name__}")
     m = state.master
-    if not isinstance(m, torch.Tensor) or m.shape != (shard_numel,) or m.dtype != torch.float32:
-        raise ValueError(f"state.master is {_describe(m)}, this engine's shard is ({shard_numel},) torch.float32: "
-                         "the state of another engine (another model, world size or layout)?")
+    if not isinstance(m, torch.Tensor) or m.shape != (shard_numel,) or m.dtype != master_dtype:
+        raise ValueError(f"state.master is {_describe(m)}, this engine's shard is ({shard_numel},) {master_dtype}: "
+                         "the state of another engine (another model, world size, layout or master=)?")
     paths, leaves, spec = leaf_paths(state.tx_state)
     # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked.
     if len(leaves) != len(tx_leaves) or (not _compiling() and spec != tx_spec):

@@ -26,9 +26,10 @@ from transforms import ShardContext, scalar
 
 from . import checks
 from .comm import Comm, SimulatedComm, comm_of_mesh
-from .flat import Layout, flat_buffer, leaf_paths, make_layout, per_leaf_shard, tree_shard, unflatten
+from .flat import Layout, flat_buffer, flatten, leaf_paths, make_layout, per_leaf_shard, shard_of, tree_shard, unflatten
 from .grads import Accumulated, GradPath, Segments
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
+from .remainder import join, split
 from .update import cast_params, sum_of_squares, update_shard, write_into
 
 __all__ = ["ZeroState", "Accumulated", "Engine", "zero1", "cast_params"]
@@ -64,9 +65,10 @@ class Engine:
     tensors only: what a checkpoint stores, and what ``torch.compile`` guards on."""
 
     def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, alignment, bucket_bytes, stage,
-                 offload, donate, chunk_numel, simulate):
+                 offload, donate, chunk_numel, simulate, master):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
+        self.master = checks.check_master(master, self.param_dtype)
         if loss_scale == "auto":
             loss_scale = DynamicLossScale() if param_dtype == torch.float16 else None
         self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
@@ -114,6 +116,7 @@ class Engine:
             shard = comm.replicate_shard(shard)  # with replicas: the first one's, so that all copies agree
             first_params = cast_params(shard, self.param_dtype, copy=True)
         state = self._fresh_state(params, layout, self._to_state_device(shard, state_device))
+        state = self._stored(state, first_params)  # master="remainder": the int16 remainder below the params
         # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
         # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
         comm.check_same("engine configuration", {**layout.table(), **self._config_table(layout, state.tx_state)})
@@ -142,7 +145,7 @@ class Engine:
         """The settings every rank must share besides the layout, as printable entries: dtypes,
         loss scaling, stage, offload and the transform's state (structure, each leaf's dtype and
         shape, and the value of each 0-d leaf: counts and hyperparameters; read once, at init)."""
-        out = {"param_dtype": str(self.param_dtype), "reduce_dtype": str(self.reduce_dtype),
+        out = {"param_dtype": str(self.param_dtype), "master": self.master, "reduce_dtype": str(self.reduce_dtype),
                "loss_scale": repr(self.loss_scale), "stage": str(self.stage), "offload": repr(self.offload),
                "transform state": str(optree.tree_structure(tx_state))}
         for path, x in zip(*leaf_paths(tx_state)[:2]):
@@ -153,13 +156,38 @@ class Engine:
 
     def state_like(self) -> tuple[ZeroState, LossScaleState]:
         """A fresh ``(state, scaler_state)`` with the structure, dtypes and devices ``init``
-        built: the template that ``fzero.checkpoint.load`` fills. Needs ``init`` first."""
+        built, with an FP32 master in either ``master`` mode (what a checkpoint holds): the
+        template that ``fzero.checkpoint.load`` fills. Needs ``init`` first."""
         b = self._ready()
         layout = b.grads.layout
         master = self._to_state_device(torch.zeros(layout.shard_numel, device=b.grads.device), b.state_device)
         # the transform's init may look at the params' shapes (masks); values are not needed
         like = layout.treespec.unflatten([torch.zeros((), device=b.grads.device).expand(s) for s in layout.shapes])
         return self._fresh_state(like, layout, master), self.loss_scale.init(b.grads.device)
+
+    def with_fp32_master(self, params: Any, state: ZeroState) -> ZeroState:
+        """``state`` with its FP32 master shard: with ``master="remainder"`` rebuilt, exactly,
+        from this rank's shard of ``params`` (pytree or flat buffer) and the remainder; the
+        state itself otherwise."""
+        if self.master != "remainder":
+            return state
+        b = self._ready()
+        flat_in = b.grads.check(params, "params")
+        shard = self._param_shard(params, flat_in)
+        return ZeroState(join(shard.to(state.master.device), state.master), state.tx_state)
+
+    def _stored(self, state: ZeroState, params_shard: torch.Tensor) -> ZeroState:
+        """What the state keeps of an FP32-master ``state`` whose params shard (its BF16
+        rounding) is ``params_shard``: the int16 remainder with ``master="remainder"``."""
+        if self.master != "remainder":
+            return state
+        return ZeroState(split(state.master, params_shard.to(state.master.device)), state.tx_state)
+
+    def _param_shard(self, params: Any, flat_in: bool) -> torch.Tensor:
+        """This rank's ``[S]`` shard of the params' flat buffer (a view where it can be)."""
+        layout, rank = self._bound.grads.layout, self.comm.rank
+        flat = self._own_buffer(params, flat_in) if flat_in or not torch.compiler.is_compiling() else None
+        return shard_of(flatten(params, layout) if flat is None else flat, layout, rank)
 
     @staticmethod
     def _to_state_device(t: torch.Tensor, state_device: torch.device) -> torch.Tensor:
@@ -186,7 +214,9 @@ class Engine:
         b = self._ready()
         path, comm, layout = b.grads, b.grads.comm, b.grads.layout
         flat_in = path.check(params, "params")  # the flat buffer itself (flat_params) or the pytree
-        checks.check_state(state, scaler_state, ZeroState, layout.shard_numel, b.tx_leaves, b.tx_spec)
+        checks.check_state(state, scaler_state, ZeroState, layout.shard_numel, b.tx_leaves, b.tx_spec,
+                           master_dtype=torch.int16 if self.master == "remainder" else torch.float32)
+        given, state = state, self.with_fp32_master(params, state)  # remainder: join the params shard and it
         scale = scaler_state.scale
 
         # 1. Reduce: this rank's [S] shard of the grads over ranks; shard * factor is their mean
@@ -238,9 +268,9 @@ class Engine:
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": norm.float(),
                 "scale_stuck": self.loss_scale.stuck(scaler_state)}
-        new_state = ZeroState(master, tx_state)
+        new_state = self._stored(ZeroState(master, tx_state), shard)  # master="remainder": split again
         if self.donate:  # write into the inputs' buffers: no allocation of state
-            new_state = write_into(state, new_state)
+            new_state = write_into(given, new_state)
         return new_params, new_state, scaler_state, info
 
     # ------------------------------------------------------------------ grads
@@ -326,6 +356,7 @@ def zero1(
     donate: bool = False,
     chunk_numel: int | None = 2**18,
     simulate: tuple[int, ...] | None = None,
+    master: str = "fp32",
 ) -> Engine:
     """A ZeRO engine (stage 1 by default) for gradient transformation ``tx``.
 
@@ -365,6 +396,10 @@ def zero1(
         act as that rank of that many ranks with no process group, every rank holding the
         same grads (for memory accounting on one device); ``(rank, shards, replicas)``: a rank
         of a hybrid mesh.
+      master: ``"fp32"`` (default): an FP32 master shard, 4S bytes. ``"remainder"`` (BF16
+        params only): an int16 ``[S]`` remainder below this rank's BF16 params shard instead,
+        2S bytes, from which the step rebuilds the exact FP32 master and into which it splits
+        it again (``fzero.remainder``): the same training bit for bit, state 10S instead of 12S.
     """
     options = dict(locals())
     return Engine(options.pop("tx"), **options)

@@ -17,6 +17,7 @@ import optree
 import torch
 
 from .grads import Segments
+from .remainder import round_bf16
 
 __all__ = ["update_shard", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
@@ -31,7 +32,10 @@ def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
     if dtype == master.dtype:
         return out.copy_(master) if out is not None else master.clone() if copy else master
     big = torch.finfo(dtype).max
-    cast = master.to(dtype) if out is None else out.copy_(master)
+    # BF16: to nearest, ties away from zero, the rounding under which (BF16, int16 remainder)
+    # splits the FP32 master exactly (fzero.remainder); FP16: torch's cast (ties to even).
+    rounded = round_bf16(master) if dtype == torch.bfloat16 else master
+    cast = rounded.to(dtype) if out is None else out.copy_(rounded)
     return cast.clamp_(-big, big)  # +-inf -> +-max; NaN stays NaN
 
 

@@ -201,6 +201,21 @@ def test_mesh_of_two_replicas_by_two_shards_follows_four_flat_ranks(tmp_path):
     assert 1.9 < ratio < 2.1
 
 
+def test_master_remainder_trains_the_main_job_bit_for_bit(tmp_path):
+    """--keep-master remainder (BF16 params + int16 remainders) against the FP32 master: the same
+    losses and bitwise the same params after 40 compiled steps on 2 ranks, 2 bytes less state
+    per element."""
+    common = [*SMALL_GPT, "--dtype", "bf16", "--steps", "40", "--eval-every", "20"]
+    fp32, fp32_summary, _ = train(tmp_path / "fp32", *common, nproc=2, compile=True)
+    rem, rem_summary, proc = train(tmp_path / "rem", *common, "--keep-master", "remainder", nproc=2, compile=True)
+    assert "int16 master remainder" in proc.stdout
+    assert [r["loss"] for r in fp32] == [r["loss"] for r in rem]
+    assert fp32_summary["final_val_loss"] == rem_summary["final_val_loss"]
+    assert fp32_summary["params_sha256"] == rem_summary["params_sha256"]
+    S = (fp32_summary["opt_state_bytes_per_rank"] - rem_summary["opt_state_bytes_per_rank"]) / 2
+    assert S >= fp32_summary["param_count"] / 2  # 2 bytes per element of the shard
+
+
 BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--data", "/nonexistent"], 1, "--data /nonexistent: no such file"),
     (["--data", "{empty}"], 1, "empty.txt: the file is empty"),
@@ -222,6 +237,7 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     ([], 3, "--batch-size 16 must be divisible by the number of ranks (3): --batch-size 15 or 18"),
     (["--mesh", "3,2"], 4, "--mesh 3,2 needs 6 ranks, this run has 4"),
     (["--mesh", "2"], 2, "--mesh 2 must be two positive integers R,S"),
+    (["--keep-master", "remainder"], 1, "--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, got --dtype fp16"),
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((["--device", "cuda"], 1, "--device cuda: this torch"))

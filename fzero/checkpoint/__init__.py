@@ -154,7 +154,9 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     # With replicas (a hybrid mesh) the first replica's shard ranks write; the others only agree.
     writer = comm.replica == 0
     lead = writer and rank == 0
-    names, leaves, kinds, extra_text = _agree(comm, what, lambda: _check_save_args(params, state, scaler_state, layout, extra))
+    # master="remainder": the FP32 master is stored, exact, so the checkpoint loads into either mode
+    full = lambda: engine.with_fp32_master(params, state) if isinstance(state, ZeroState) else state  # noqa: E731
+    names, leaves, kinds, extra_text = _agree(comm, what, lambda: _check_save_args(params, full(), scaler_state, layout, extra))
     snapshot = _agree(comm, what, lambda: commit._begin(path, _hook) if lead else None, gather=True)[0]
     directory, committed = os.path.join(path, snapshot), []
     try:
@@ -232,7 +234,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     with torch.no_grad():
         shard = cast_params(state.master, engine.param_dtype, copy=True).to(engine.device)
         params = unflatten(comm.all_gather(shard, layout), layout)
-    return params, state, scaler, m["extra"]
+    return params, engine._stored(state, shard), scaler, m["extra"]  # master="remainder": split it
 
 
 def read_manifest(path) -> dict:
@@ -256,6 +258,9 @@ def export_full(path, params_or_state, engine: Engine) -> None:
     path = os.path.abspath(os.fspath(path))
     if isinstance(params_or_state, ZeroState):
         master = params_or_state.master
+        if master.dtype != torch.float32:
+            raise CheckpointError(f"state.master is {master.dtype}, not the FP32 master (an engine with master='remainder'?): "
+                                  "export_full(path, engine.with_fp32_master(params, state), engine)")
         if master.shape != (layout.shard_numel,):
             raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
         with torch.no_grad():

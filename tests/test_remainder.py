@@ -1,0 +1,143 @@
+"""fzero.remainder and ``zero1(master="remainder")``: the FP32 master as (BF16 param, int16
+remainder), exact; training bit for bit equal to an FP32 master, in 10S bytes of state."""
+import optree
+import pytest
+import torch
+
+import fzero
+import fzero.checkpoint
+import transforms
+from distributed import run_ranks
+from fzero.remainder import join, round_bf16, split
+from helpers import grads_like, odd_params
+
+STEPS, BAD_STEP = 30, 7
+
+
+def fp32_patterns(n=1_000_000, seed=0):
+    """Random FP32 bit patterns (finite, within BF16's range) and exact ties (low 16 bits 0x8000)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-2**31, 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = (torch.randint(-2**15, 2**15, (n // 100,), generator=g).to(torch.int32) << 16) | 0x8000
+    m = torch.cat([bits, ties]).view(torch.float32)
+    return m[torch.isfinite(m) & (m.abs() < torch.finfo(torch.bfloat16).max)]
+
+
+def test_split_and_join_are_exact_and_the_rounding_is_nearest_ties_away():
+    m = fp32_patterns()
+    p = round_bf16(m)
+    r = split(m, p)
+    assert r.dtype == torch.int16
+    assert torch.equal(join(p, r).view(torch.int32), m.view(torch.int32))  # bit for bit
+    rne = m.to(torch.bfloat16)
+    differ = p.view(torch.int16) != rne.view(torch.int16)
+    ties = (m.view(torch.int32) & 0xFFFF) == 0x8000
+    assert differ.any() and torch.equal(differ, differ & ties)  # only exact ties differ from torch's cast
+    assert torch.all(p[ties].float().abs() > m[ties].abs())  # ... and those go away from zero
+    assert torch.all((p.float() - m).abs() <= (rne.float() - m).abs())  # still to nearest
+    nan = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    out = round_bf16(nan)
+    assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf")
+
+
+def test_cast_params_rounds_bf16_the_same_way():
+    m = fp32_patterns(10_000)
+    assert torch.equal(fzero.engine.cast_params(m, torch.bfloat16).view(torch.int16), round_bf16(m).view(torch.int16))
+
+
+def tx():
+    return transforms.chain(transforms.clip_by_global_norm(0.5),
+                            transforms.adamw(lr=1e-2, weight_decay=0.1,
+                                             weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)))
+
+
+def train(master, *, compiled=False, donate=False, rank=0, steps=STEPS, engine_kw=None):
+    engine = fzero.zero1(tx(), param_dtype=torch.bfloat16, master=master, donate=donate, **(engine_kw or {}))
+    params, state, ss = engine.init(odd_params())
+    step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
+    history = []
+    for s in range(steps):
+        grads = optree.tree_map(lambda x: (x * 3).to(torch.bfloat16), grads_like(odd_params(), 10 * s + rank))
+        if s == BAD_STEP:
+            grads["w"][0, 0] = float("inf")  # a skipped step
+        params, state, ss, info = step(params, grads, state, ss)
+        history.append((fzero.flatten(params, engine.layout).clone(), info["found_inf"].clone()))
+    return engine, params, state, history, ss
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+def test_remainder_trains_bit_for_bit_like_an_fp32_master(compiled, donate):
+    ref_engine, _, ref_state, ref, _ = train("fp32", compiled=compiled, donate=donate)
+    engine, params, state, got, _ = train("remainder", compiled=compiled, donate=donate)
+    assert [bool(f) for _, f in got] == [s == BAD_STEP for s in range(STEPS)]
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(ref, got))  # params at every step
+    assert state.master.dtype == torch.int16
+    assert torch.equal(engine.with_fp32_master(params, state).master, ref_state.master)
+    for a, b in zip(optree.tree_leaves(ref_state.tx_state), optree.tree_leaves(state.tx_state)):
+        assert torch.equal(a, b)
+    # 10 bytes per element instead of 12 (+ the bool mask and 0-d scalars in both)
+    S = engine.layout.shard_numel
+    assert ref_engine.state_bytes(ref_state) - engine.state_bytes(state) == 2 * S
+
+
+def two_ranks(rank, world_size):
+    return {master: train(master, rank=rank, steps=10)[1] for master in ("fp32", "remainder")}  # the params
+
+
+def test_remainder_on_two_ranks_equals_fp32_master():
+    for r in run_ranks(two_ranks, 2):
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(r["fp32"]), optree.tree_leaves(r["remainder"])))
+
+
+def test_remainder_needs_bf16_params():
+    with pytest.raises(ValueError, match="needs param_dtype=torch.bfloat16, got torch.float16"):
+        fzero.zero1(tx(), param_dtype=torch.float16, master="remainder")
+    with pytest.raises(ValueError, match="master must be 'fp32' or 'remainder', got 'fp16'"):
+        fzero.zero1(tx(), param_dtype=torch.bfloat16, master="fp16")
+
+
+def save_and_continue(rank, world_size, path, master):
+    """Save at step 10 with ``master``, then run 5 more steps: params after each."""
+    engine, params, state, _, ss = train(master, rank=rank, steps=10)
+    fzero.checkpoint.save(path, params, state, ss, engine)
+    return continue_from(engine, params, state, ss, rank)
+
+
+def continue_from(engine, params, state, ss, rank):
+    out = []
+    for s in range(10, 15):
+        grads = optree.tree_map(lambda x: (x * 3).to(torch.bfloat16), grads_like(odd_params(), 10 * s + rank))
+        params, state, ss, _ = engine.step(params, grads, state, ss)
+        out.append(torch.cat([x.reshape(-1) for x in optree.tree_leaves(params)]))  # no padding: any layout
+    return torch.stack(out)
+
+
+def load_and_continue(rank, world_size, path, master, alignment=64):
+    engine = fzero.zero1(tx(), param_dtype=torch.bfloat16, master=master, alignment=alignment)
+    engine.init(odd_params(seed=3))
+    params, state, ss, _ = fzero.checkpoint.load(path, engine)
+    assert state.master.dtype == (torch.int16 if master == "remainder" else torch.float32)
+    return continue_from(engine, params, state, ss, rank)
+
+
+@pytest.mark.parametrize("saved,loaded", [("remainder", "fp32"), ("fp32", "remainder"), ("remainder", "remainder")])
+def test_checkpoint_holds_the_fp32_master_and_loads_into_either_mode_and_layout(tmp_path, saved, loaded):
+    """Saved on 2 ranks after 10 steps; loaded on 2 ranks with another layout (alignment 16, not
+    64), in either mode: the next 5 steps follow the run that went straight on."""
+    path = str(tmp_path / "ckpt")
+    straight = run_ranks(save_and_continue, 2, path, saved)
+    resumed = run_ranks(load_and_continue, 2, path, loaded, 16)
+    # another layout sums the grad norm's squares in other rows: equal up to a BF16 rounding
+    for a, b in zip(straight, resumed):
+        torch.testing.assert_close(a, b, rtol=8e-3, atol=1e-6)
+    # the stored master is the exact FP32 one: a remainder engine rebuilds what an FP32 one loads
+    engine = fzero.zero1(tx(), param_dtype=torch.bfloat16, master="remainder")
+    engine.init(odd_params())
+    params, state, _, _ = fzero.checkpoint.load(path, engine)
+    fp32 = fzero.zero1(tx(), param_dtype=torch.bfloat16)
+    fp32.init(odd_params())
+    _, state32, _, _ = fzero.checkpoint.load(path, fp32)
+    assert torch.equal(engine.with_fp32_master(params, state).master, state32.master)
+    with pytest.raises(fzero.checkpoint.CheckpointError, match="with_fp32_master"):
+        fzero.checkpoint.export_full(str(tmp_path / "full.safetensors"), state, engine)
