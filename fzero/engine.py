@@ -169,10 +169,12 @@ class Engine:
         """``state`` with its FP32 master shard: with ``master="remainder"`` rebuilt, exactly,
         from this rank's shard of ``params`` (pytree or flat buffer) and the remainder; the
         state itself otherwise."""
+        return self._joined(params, self._ready().grads.check(params, "params"), state)
+
+    def _joined(self, params: Any, flat_in: bool, state: ZeroState) -> ZeroState:
+        """``with_fp32_master`` for params already checked (``flat_in``: the flat buffer)."""
         if self.master != "remainder":
             return state
-        b = self._ready()
-        flat_in = b.grads.check(params, "params")
         shard = self._param_shard(params, flat_in)
         return ZeroState(join(shard.to(state.master.device), state.master), state.tx_state)
 
@@ -216,7 +218,7 @@ class Engine:
         flat_in = path.check(params, "params")  # the flat buffer itself (flat_params) or the pytree
         checks.check_state(state, scaler_state, ZeroState, layout.shard_numel, b.tx_leaves, b.tx_spec,
                            master_dtype=torch.int16 if self.master == "remainder" else torch.float32)
-        given, state = state, self.with_fp32_master(params, state)  # remainder: join the params shard and it
+        given, state = state, self._joined(params, flat_in, state)  # remainder: join the params shard and it
         scale = scaler_state.scale
 
         # 1. Reduce: this rank's [S] shard of the grads over ranks; shard * factor is their mean
