@@ -1,0 +1,94 @@
+"""Numerics of the main job: FP32, FP16 (dynamic loss scale), BF16 and BF16 + remainder master,
+at 1 and 2 ranks, side by side in one run.
+
+Each row is ``examples/train.py`` (the nano GPT on the embedded text, same seed, same global
+batch), eager (``--no-compile``), run here as a subprocess (``torchrun`` for 2 ranks). The table
+gives the final val loss, its difference from FP32 at the same rank count, the largest per-step
+difference of the training loss from FP32, and whether the run's params are bitwise those of
+another row. Goals it checks: FP16 and BF16 final val loss within 1% of FP32; BF16 + remainder
+bitwise equal to BF16 with an FP32 master (same losses at every step, same params sha256).
+
+    python benchmarks/numerics.py                   # 600 steps, 8 runs (about 10 minutes on 2 CPU cores)
+    python benchmarks/numerics.py --steps 60        # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, "..", "examples", "train.py")
+ROWS = [("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "fp32"), ("bf16", "remainder")]
+
+
+def run(dtype: str, master: str, ranks: int, steps: int, out: str) -> dict:
+    """One main-job run; ``{"losses": [...], "summary": {...}}`` from its metrics.jsonl."""
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={ranks}"]
+    cmd = [*launcher, TRAIN, "--device", "cpu", "--no-compile", "--dtype", dtype, "--keep-master", master,
+           "--steps", str(steps), "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return {"losses": [r["loss"] for r in lines[1:-1]], "summary": lines[-1]["summary"]}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from common import table
+
+    results, t0 = {}, time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            # one-rank runs use one core each (OMP_NUM_THREADS=1): two at a time on a 2-core box
+            with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 1) // ranks)) as pool:
+                jobs = {}
+                for dtype, master in ROWS:
+                    key = f"{dtype}{' + remainder' if master == 'remainder' else ''}, {ranks} rank(s)"
+                    jobs[key] = pool.submit(run, dtype, master, ranks, args.steps, os.path.join(tmp, key.replace(" ", "_")))
+                for key, job in jobs.items():
+                    results[key] = job.result()
+                    print(f"{key}: final val {results[key]['summary']['final_val_loss']:.5f}", file=sys.stderr, flush=True)
+    rows, goals = [], []
+    for ranks in args.ranks:
+        base = results[f"fp32, {ranks} rank(s)"]
+        for dtype, master in ROWS:
+            key = f"{dtype}{' + remainder' if master == 'remainder' else ''}, {ranks} rank(s)"
+            r = results[key]
+            val, ref = r["summary"]["final_val_loss"], base["summary"]["final_val_loss"]
+            gap = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]) if a is not None and b is not None)
+            same_as = [k for k, o in results.items() if k != key and o["summary"]["params_sha256"] == r["summary"]["params_sha256"]]
+            rows.append([key, f"{val:.5f}", f"{100 * (val - ref) / ref:+.3f}%", f"{gap:.4f}",
+                         r["summary"]["skipped_steps"], ", ".join(same_as) or "-"])
+            if dtype in ("fp16", "bf16") and master == "fp32":
+                goals.append((f"{key}: final val within 1% of FP32", abs(val - ref) <= 0.01 * ref))
+            if master == "remainder":
+                plain = results[f"bf16, {ranks} rank(s)"]
+                bitwise = r["losses"] == plain["losses"] and r["summary"]["params_sha256"] == plain["summary"]["params_sha256"]
+                goals.append((f"{key}: bitwise equal to BF16 with an FP32 master", bitwise))
+    print(f"\nThe main job (nano GPT, embedded text, seed 0, global batch 16, eager), {args.steps} steps; "
+          f"{time.perf_counter() - t0:.0f} s\n")
+    print(table(rows, ["run", "final val loss", "vs FP32", "max |train loss - FP32|", "skipped", "params bitwise equal to"]))
+    print()
+    for what, ok in goals:
+        print(f"{'met' if ok else 'NOT MET'}: {what}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": args.steps, "results": results, "goals": goals}, f, indent=1)
+    return goals
+
+
+if __name__ == "__main__":
+    main()
