@@ -425,6 +425,25 @@ def fzero_version() -> str:
 
 
 # ---------------------------------------------------------------- main
+RANK_0_REPORT_WAIT_S = 60.0
+
+
+def _rank_0_reported() -> bool:
+    """On a rank other than 0 that found a bad flag: leave the report to rank 0.
+
+    Rank 0 runs the same check on the same flags, fails too and prints the one line. Under
+    torchrun this rank must not exit first: torchrun's agent stops every worker (SIGTERM) as
+    soon as one exits with an error, which could cut rank 0 off before its line reached stderr.
+    So it waits to be stopped. If it is still running after ``RANK_0_REPORT_WAIT_S``, rank 0 did
+    not fail (the ranks were given different flags or files) and this rank reports the error
+    itself (returns False).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not torchrun's worker: nobody cuts rank 0 off
+        return True
+    time.sleep(RANK_0_REPORT_WAIT_S)
+    return False
+
+
 def main(argv=None):
     args = parse_args(argv)
     # Every bad flag fails here, before any rank joins a group or builds a model: one line, from
@@ -436,6 +455,8 @@ def main(argv=None):
     except UsageError as e:
         if rank == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
+        elif not _rank_0_reported():
+            print(f"train.py: error (rank {rank}): {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.check_args:
         return

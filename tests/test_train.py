@@ -15,6 +15,7 @@ import select
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optree
@@ -39,15 +40,15 @@ SMALL_GPT = ["--model", "gpt", "--config", "nano", "--block-size", "32", "--batc
 
 
 def train(out: Path, *args: str, nproc: int | None = None, compile: bool = False, timeout: float = 300,
-          check: bool = True):
-    """Run examples/train.py into ``out`` (plain python, or torchrun with ``nproc`` ranks), with
-    its step compiled (train.py's default) or ``--no-compile``; return ``(step records, summary,
-    completed process)``."""
+          check: bool = True, script: Path = TRAIN):
+    """Run examples/train.py (or ``script``, which runs it) into ``out`` (plain python, or
+    torchrun with ``nproc`` ranks), with its step compiled (train.py's default) or
+    ``--no-compile``; return ``(step records, summary, completed process)``."""
     launcher = [sys.executable]
     if nproc is not None:  # --standalone: a private rendezvous on a free port, so runs never collide
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     mode = "--compile" if compile else "--no-compile"
-    cmd = launcher + [str(TRAIN), "--device", "cpu", "--out", str(out), mode, *args]
+    cmd = launcher + [str(script), "--device", "cpu", "--out", str(out), mode, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True, timeout=timeout)
     if not check:
@@ -253,6 +254,7 @@ def test_a_bad_flag_stops_the_run_before_any_work_with_one_line(flags, ranks, me
     flags = [f.format(empty=tmp_path / "empty.txt", short=tmp_path / "short.txt") for f in flags]
     train_py = load_train_module(monkeypatch)
     monkeypatch.setattr(train_py, "init_distributed", lambda *a: pytest.fail("joined a group before checking"))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not a torchrun worker
     for rank in range(min(ranks, 2)):
         monkeypatch.setenv("WORLD_SIZE", str(ranks))
         monkeypatch.setenv("RANK", str(rank))
@@ -267,11 +269,47 @@ def test_a_bad_flag_stops_the_run_before_any_work_with_one_line(flags, ranks, me
     assert not (tmp_path / "run").exists()  # nothing written
 
 
-def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(tmp_path):
-    """Under torchrun the one line comes from rank 0 (torchrun then reports the failed workers;
-    ``make train`` checks the flags with ``--check-args`` before it starts torchrun)."""
-    _, _, proc = train(tmp_path / "bad", *SMALL_GPT, "--batch-size", "7", "--steps", "1", nproc=2, check=False)
+def test_a_rank_that_rank_0_did_not_stop_reports_the_bad_flag_itself(tmp_path, monkeypatch, capsys):
+    """Under torchrun a rank other than 0 leaves the report to rank 0 and waits to be stopped;
+    still running after the wait (rank 0 was given other flags and did not fail), it reports
+    the error itself, naming its rank."""
+    train_py = load_train_module(monkeypatch)
+    waits = []
+    monkeypatch.setattr(train_py.time, "sleep", waits.append)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit:
+        train_py.main(["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "7"])
+    assert exit.value.code == 2 and waits == [train_py.RANK_0_REPORT_WAIT_S]
+    assert capsys.readouterr().err == (
+        "train.py: error (rank 1): --batch-size 7 must be divisible by the number of ranks (2): --batch-size 6 or 8\n")
+
+
+# train.py with rank 0 held back, so that rank 1 finds the bad flag first.
+LAGGING_RANK_0 = """
+import os, runpy, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep({lag})
+sys.path.insert(0, {examples!r})
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("rank_0_lag_s", [0.0, 3.0])
+def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(rank_0_lag_s, tmp_path):
+    """Under torchrun the one line comes from rank 0, also when another rank finds the bad flag
+    first (torchrun stops every worker once one has failed, so that rank waits to be stopped).
+    ``make train`` checks the flags with ``--check-args`` before it starts torchrun."""
+    script = tmp_path / "lagging_rank_0.py"
+    script.write_text(LAGGING_RANK_0.format(lag=rank_0_lag_s, examples=str(EXAMPLES), train=str(TRAIN)))
+    t0 = time.perf_counter()
+    _, _, proc = train(tmp_path / "bad", *SMALL_GPT, "--batch-size", "7", "--steps", "1", nproc=2, check=False,
+                       script=script)
     assert proc.returncode != 0
+    # Rank 1 was stopped by torchrun, not by its own fallback after RANK_0_REPORT_WAIT_S.
+    assert time.perf_counter() - t0 < 45, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "train.py: error:" in line]
     assert lines == ["train.py: error: --batch-size 7 must be divisible by the number of ranks (2): --batch-size 6 or 8"]
     assert "File \"" + str(TRAIN) not in proc.stderr  # no traceback from train.py itself
