@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script of about 8 minutes on one H200:
 # the no-host-sync check, the optimizer-step table at 1e9 elements (eager, compiled, flat), the
-# eager step's bytes per element, the memory table (with CPU offload's device bytes and step
-# time), and the main job's step against the torch recipe at GPT-2-small shape (e2e.py).
+# eager step's bytes per element, the BF16 step with an FP32 against a remainder master, the
+# memory table (with CPU offload's device bytes and step time), and the main job's step against
+# the torch recipe at GPT-2-small shape (e2e.py).
 # Results land in $OUT (default benchmarks/results/gpu).
 #   bash benchmarks/gpu_suite.sh            # full sizes, on the GPU machine
 #   QUICK=1 bash benchmarks/gpu_suite.sh    # tiny sizes: rehearse the script on a CPU
@@ -30,6 +31,7 @@ run benchmarks/sync_check.py
 run benchmarks/step.py $STEP --json "$OUT/step.json"
 run benchmarks/plot.py "$OUT/step.json" -o "$OUT/step.png"
 run benchmarks/traffic.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda) --json "$OUT/traffic.json"
+run benchmarks/master.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda) --json "$OUT/master.json"
 run benchmarks/memory.py $MEM --json "$OUT/memory.json"
 LIMIT=300 run benchmarks/e2e.py $E2E --json "$OUT/e2e.json"
 echo "results in $OUT"

@@ -124,22 +124,26 @@ def measure(step, dev, iters):
     return mode.bytes, median_time(step, dev, iters=iters)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_sizes(argv, doc: str, rounds_of: str):
+    """The command line of this script and of ``benchmarks/master.py``: ``(args, device, leaf
+    shapes, their total P, iters, rounds)``; ``rounds_of`` names what the paired rounds pair."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=float, help="total elements (default 8.4e6, the reference's; 2e5 with --quick)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, help="timed steps per row (default 20; 3 with --quick)")
-    ap.add_argument("--rounds", type=int, help="paired rounds of the fzero pytree row vs torch fused (default 9; 2 with --quick)")
+    ap.add_argument("--rounds", type=int, help=f"paired rounds of {rounds_of} (default 9; 2 with --quick)")
     ap.add_argument("--quick", action="store_true", help="a tiny run: 2e5 elements, 3 timed steps")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    numel = args.numel or (2e5 if args.quick else REF_NUMEL)
+    shapes = leaf_shapes(args.numel or (2e5 if args.quick else REF_NUMEL))
     iters = args.iters or (3 if args.quick else 20)
     rounds = args.rounds or (2 if args.quick else 9)
-    dev = torch.device(args.device)
-    shapes = leaf_shapes(numel)
-    P = sum(math.prod(s) for s in shapes)
     torch.manual_seed(0)
+    return args, torch.device(args.device), shapes, sum(math.prod(s) for s in shapes), iters, rounds
+
+
+def main(argv=None):
+    args, dev, shapes, P, iters, rounds = parse_sizes(argv, __doc__, "the fzero pytree row vs torch fused")
 
     rows = {  # built one at a time below, so that only one row's tensors are alive
         FUSED_ROW: lambda: torch_adamw(shapes, dev, "fused"),

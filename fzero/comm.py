@@ -333,11 +333,14 @@ class HybridComm(Comm):
         """Inside the shard group, then summed over the replicas; ``wait=False`` returns the
         shard group's part in flight and ``wait_reduced`` sums it over the replicas."""
         part = super().reduce_scatter_bucket(x, i, layout, wait=wait)
-        return self._sum_replicas(part, lambda: f"all_reduce of grads over replicas (bucket {i})") if wait else part
+        return self._sum_replicas_of(part, i, layout) if wait else part
 
     def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
-        part = super().wait_reduced(x, i, layout)
-        return self._sum_replicas(part, lambda: f"all_reduce of grads over replicas (bucket {i})")
+        return self._sum_replicas_of(super().wait_reduced(x, i, layout), i, layout)
+
+    def _sum_replicas_of(self, part: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        """Bucket ``i``'s reduced ``[S_b]`` part of the shard group, summed over the replicas."""
+        return self._sum_replicas(part, lambda: f"all_reduce of grads over replicas (bucket {i} of {len(layout.buckets)})")
 
     def replicate_shard(self, shard: torch.Tensor) -> torch.Tensor:
         if self.replicas == 1:

@@ -8,6 +8,8 @@ FP32 bit pattern as int32:
     remainder      r = b - (p << 16)               in [-0x8000, 0x7FFF]: an int16
     master bits    b = (p << 16) + r
 
+(computed as ``(b + 0x8000) & 0xFFFF0000`` and ``p * 2**16``: the same bits, see below).
+
 ``p`` is the FP32 value rounded to the nearest BF16, ties away from zero (adding half an ulp
 to the magnitude bits; the carry runs into the exponent as it should). Exactly 2**16 FP32
 patterns round to each BF16 one, so the split is a bijection. Round-to-nearest-*even* cannot be
@@ -23,22 +25,36 @@ import torch
 __all__ = ["round_bf16", "split", "join"]
 
 _HALF = 0x8000
+_HIGH = -0x10000  # int32 0xFFFF0000: the 16 bits a BF16 number keeps
+_SHIFT = 0x10000  # * 2**16: 16 bits up (int32 arithmetic wraps as a shift does)
+
+# No shifts here: inductor's CPU code generator has no vector form of ``>>``/``<<`` (nor of
+# int16 values), and one such op turns the whole fused AdamW kernel it is part of into a scalar
+# loop. ``round_bf16``, the cast of every BF16 step, keeps to FP32/int32 adds and masks, which
+# vectorize (a scalar kernel measured 6x slower). ``split``/``join`` read and write the int16
+# remainder, so on a CPU their kernel stays scalar (docs/numerics.md has the numbers).
 
 
 def round_bf16(master: torch.Tensor) -> torch.Tensor:
     """FP32 -> BF16, to nearest with ties away from zero (see the module docstring); NaN stays NaN,
     values beyond BF16's range become +-inf (the caller saturates)."""
-    bits = (master.view(torch.int32) + _HALF) >> 16
-    rounded = bits.to(torch.int16).view(torch.bfloat16)
-    # NaN payloads in the low bits would round to inf: keep NaN
-    return torch.where(torch.isnan(master), master.to(torch.bfloat16), rounded)
+    # (b + half) with the low 16 bits cleared is an FP32 value BF16 holds exactly: the cast that
+    # follows does not round again.
+    rounded = ((master.view(torch.int32) + _HALF) & _HIGH).view(torch.float32)
+    # NaN payloads in the low bits would carry into inf (or wrap the sign): keep NaN
+    return torch.where(master != master, master, rounded).to(torch.bfloat16)
+
+
+def _high(param: torch.Tensor) -> torch.Tensor:
+    """BF16 ``param``'s bits in the top half of an int32 (its FP32 bit pattern, exactly)."""
+    return param.view(torch.int16).to(torch.int32) * _SHIFT
 
 
 def split(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The int16 remainder of FP32 ``master`` below ``param``, its BF16 rounding (``[S]`` each)."""
-    return (master.view(torch.int32) - (param.view(torch.int16).to(torch.int32) << 16)).to(torch.int16)
+    return (master.view(torch.int32) - _high(param)).to(torch.int16)
 
 
 def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The FP32 master from its BF16 ``param`` and int16 ``remainder``, exactly."""
-    return ((param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)).view(torch.float32)
+    return (_high(param) + remainder.to(torch.int32)).view(torch.float32)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
 
 import optree
 import torch
@@ -12,6 +15,23 @@ import torch.utils._python_dispatch
 import fzero
 import fzero.comm
 import transforms
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TRAIN = EXAMPLES / "train.py"
+
+
+def load_train_module(monkeypatch=None):
+    """examples/train.py as a module. It imports its sibling data.py as ``data``, so examples/
+    goes on sys.path: for the test only with pytest's ``monkeypatch``, for good without (a
+    spawned rank)."""
+    if monkeypatch is not None:
+        monkeypatch.syspath_prepend(str(EXAMPLES))
+    elif str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location("examples_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def odd_params(seed=0):

@@ -1,5 +1,7 @@
 """fzero.remainder and ``zero1(master="remainder")``: the FP32 master as (BF16 param, int16
 remainder), exact; training bit for bit equal to an FP32 master, in 10S bytes of state."""
+import hashlib
+
 import optree
 import pytest
 import torch
@@ -9,7 +11,7 @@ import fzero.checkpoint
 import transforms
 from distributed import run_ranks
 from fzero.remainder import join, round_bf16, split
-from helpers import grads_like, odd_params
+from helpers import grads_like, load_train_module, odd_params
 
 STEPS, BAD_STEP = 30, 7
 
@@ -88,6 +90,63 @@ def two_ranks(rank, world_size):
 def test_remainder_on_two_ranks_equals_fp32_master():
     for r in run_ranks(two_ranks, 2):
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(r["fp32"]), optree.tree_leaves(r["remainder"])))
+
+
+MAIN_JOB_STEPS = 200
+
+
+def main_job(rank, world_size, compiled):
+    """The main job's BF16 run (examples/train.py's GPT, data, optimizer and train step; a small
+    GPT) for ``MAIN_JOB_STEPS`` steps with each master: per step the loss, found_inf, grad norm
+    and a digest of the params' bits, then the final state as FP32 master and moments."""
+    train_py = load_train_module()
+    args = train_py.parse_args(["--device", "cpu", "--config", "nano", "--block-size", "32", "--batch-size", "8",
+                                "--dtype", "bf16", "--steps", str(MAIN_JOB_STEPS), "--grad-clip", "0.5"])
+    train_py.check_args(args, world_size)
+    data = train_py.load_data(args)
+    lo, hi = rank * args.batch_size // world_size, (rank + 1) * args.batch_size // world_size
+    out = {}
+    for master in ("fp32", "remainder"):
+        params, loss_fn, _ = train_py.build(args, data, torch.device("cpu"))
+        # BF16 has FP32's range: only a scale near FP32's largest overflows. Growing every 20
+        # clean steps up to 2**127, the scale overflows and backs off all through the run.
+        scale = fzero.DynamicLossScale(init_scale=2.0**126, max_scale=2.0**127, growth_interval=20)
+        engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.bfloat16, loss_scale=scale,
+                             donate=True, master=master)
+        params, state, ss = engine.init(params)
+        step = train_py.make_train_step(engine, loss_fn, compile=compiled)
+        history = []
+        for s in range(MAIN_JOB_STEPS):
+            batch = tuple(t[lo:hi] for t in data.get_batch("train", s, args.batch_size, args.seed))
+            params, state, ss, loss, info = step(params, state, ss, batch)
+            bits = fzero.flatten(params, engine.layout).view(torch.int16).numpy().tobytes()
+            norm = info["grad_norm"].float()  # compared by its bits: NaN on a skipped step
+            history.append((loss.item(), bool(info["found_inf"]), norm.item(), norm.view(torch.int32).item(),
+                            hashlib.sha256(bits).hexdigest()))
+        full = engine.with_fp32_master(params, state) if master == "remainder" else state
+        out[master] = {"history": history, "master": full.master, "tx_state": optree.tree_leaves(full.tx_state),
+                       "stored": state.master.dtype, "state_bytes": engine.state_bytes(state), "S": engine.layout.shard_numel}
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_remainder_trains_the_main_job_bit_for_bit_like_an_fp32_master(world_size, compiled):
+    """200 steps of the main job in BF16, with overflow skips all through and the grad norm
+    clipped: the remainder master gives the same losses, skips, grad norms and params at every
+    step, and the same FP32 master and moments at the end, as the FP32 master."""
+    for rank, r in enumerate(run_ranks(main_job, world_size, compiled, timeout=600)):
+        ref, got = r["fp32"], r["remainder"]
+        skips = sum(found_inf for _, found_inf, _, _, _ in ref["history"])
+        clipped = sum(norm > 0.5 for _, _, norm, _, _ in ref["history"])
+        assert skips >= 5 and clipped >= 100, (skips, clipped)  # both paths really taken
+        for s, (a, b) in enumerate(zip(ref["history"], got["history"])):
+            assert a[:2] + a[3:] == b[:2] + b[3:], \
+                f"rank {rank} step {s}: (loss, found_inf, grad norm, its bits, params digest) {a} != {b}"
+        assert got["stored"] == torch.int16 and ref["stored"] == torch.float32
+        assert torch.equal(got["master"], ref["master"])
+        assert all(torch.equal(a, b) for a, b in zip(ref["tx_state"], got["tx_state"]))
+        assert ref["state_bytes"] - got["state_bytes"] == 2 * ref["S"]
 
 
 def test_remainder_needs_bf16_params():

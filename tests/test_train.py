@@ -27,10 +27,8 @@ import transforms
 from fzero.checkpoint import read_manifest
 from models import gpt
 
-from helpers import forbid_host_syncs
+from helpers import EXAMPLES, TRAIN, forbid_host_syncs, load_train_module
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-TRAIN = EXAMPLES / "train.py"
 STEP_KEYS = {
     "step", "loss", "val_loss", "lr", "loss_scale", "found_inf", "skipped_total",
     "grad_norm", "step_time_s", "tokens_per_s", "opt_state_bytes",
@@ -425,14 +423,6 @@ def test_save_every_and_resume_at_another_world_size_continue_exactly(tmp_path):
 
 
 # ---------------------------------------------------------------- the optimizer train.py builds
-def load_train_module(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLES))  # train.py imports its sibling data.py as `data`
-    spec = importlib.util.spec_from_file_location("examples_train", TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def nano_gpt_params():
     config = gpt.GPTConfig(97, block_size=16, n_layer=1, n_head=2, n_embd=16)
     return gpt.init(torch.Generator().manual_seed(0), config)
