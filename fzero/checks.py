@@ -66,7 +66,8 @@ def check_master(master: str, param_dtype: torch.dtype) -> str:
 def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: int, tx_leaves, tx_spec,
                 master_dtype: torch.dtype = torch.float32) -> None:
     """``state``/``scaler_state`` must be what this engine's ``init``/``step`` returned: a
-    ``state_type`` whose master is the ``[shard_numel]`` FP32 shard and whose transform state
+    ``state_type`` whose master is the ``[shard_numel]`` shard of ``master_dtype`` (FP32, or the
+    int16 remainder of ``master="remainder"``) and whose transform state
     has the ``tx_leaves`` ``(path, shape, dtype)`` and structure ``tx_spec`` that ``init`` built
     (static facts only: no host sync, nothing traced)."""
     if not isinstance(state, state_type):
