@@ -17,9 +17,15 @@ buffers, leaves) outlives the call.
 backward only runs at the very end, because autograd's ready queue orders nodes by creation
 and those nodes are created first in forward.)
 
-Leaves that get no grad (unused in the loss) count as zero; buckets still waiting for them are
-started after backward, in bucket order. Every rank must leave the same leaves unused, or the
-ranks would start their reduce-scatters in different orders (DDP has the same rule).
+Buckets are started strictly in bucket order, each as soon as it and every bucket before it
+are complete (DDP's reducer does the same). Collectives are matched across ranks by the order
+they are issued in, and the order grads complete in is not the same on every rank: a leaf that
+one rank's loss does not use, or a graph that differs by rank, completes its bucket at the end
+of backward on that rank only. Started as they completed, bucket ``k`` of one rank would meet
+bucket ``j`` of another: wrong sums of equal-sized buckets, an abort for unequal ones. Leaves
+that get no grad (unused on this rank) count as zero; buckets still waiting for them start
+after backward. Where every rank's grads complete in bucket order (buckets are filled in
+reverse leaf order, the order backward usually produces them), nothing waits.
 """
 from __future__ import annotations
 
@@ -66,15 +72,18 @@ def grad_and_value(
         for i in b.leaves:
             bucket_of[i], pos_in[i] = k, layout.offsets[i] - b.start
     started: list[Any] = [None] * len(layout.buckets)
+    next_bucket = 0  # buckets before it are started; it starts once complete (module doc)
 
     def arrive(i: int, grad: torch.Tensor | None) -> None:
+        nonlocal next_bucket
         k = bucket_of[i]
         dst = buffers[k][pos_in[i] : pos_in[i] + sizes[i]]
         dst.copy_(grad.reshape(-1)) if grad is not None else dst.zero_()
         missing[k].discard(i)
-        if not missing[k]:
-            started[k] = start_bucket(buffers[k], k)
-            buffers[k] = None  # the collective holds it now
+        while next_bucket < len(buffers) and not missing[next_bucket]:
+            started[next_bucket] = start_bucket(buffers[next_bucket], next_bucket)
+            buffers[next_bucket] = None  # the collective holds it now
+            next_bucket += 1
 
     def on_grad(i: int):
         def hook(leaf: torch.Tensor) -> None:
@@ -94,7 +103,7 @@ def grad_and_value(
     finally:
         for h in handles:
             h.remove()
-    for k in range(len(layout.buckets)):  # buckets with leaves that got no grad, in bucket order
+    for k in range(len(layout.buckets)):  # leaves that got no grad on this rank: zero
         for i in sorted(missing[k]):
             arrive(i, None)
     parts = [wait(x, k) for k, x in enumerate(started)]  # bucket k's reduce, finished

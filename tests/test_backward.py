@@ -148,3 +148,46 @@ def test_bad_loss_and_mixed_accumulation_raise():
     assert shard.grads.shape == (engine.layout.shard_numel,) != acc.grads.shape
     with pytest.raises(ValueError, match="accumulate either reduced shards or unreduced grads"):
         engine.accumulate(acc, shard)
+
+
+
+def unused_on_one_rank(rank, world_size, b_rows):
+    """Leaf ``b`` reaches the loss on rank 0 only. Buckets fill in reverse leaf order, so ``b``
+    is alone in bucket 0, which backward completes first on rank 0 and last on rank 1."""
+    g = torch.Generator().manual_seed(0)
+    p0 = {"a": torch.randn(8, 16, generator=g), "b": torch.randn(16, b_rows, generator=g)}
+
+    def loss(p, batch):
+        x, y = batch
+        h = torch.nn.functional.gelu(x @ p["a"])
+        out = h @ p["b"] if rank == 0 else h[:, :b_rows]
+        return torch.nn.functional.mse_loss(out, y)
+
+    results = {}
+    for mode in ("pytree", "overlap"):
+        engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, bucket_bytes=4 * 16 * b_rows)  # b alone in bucket 0
+        params, state, ss = engine.init(p0)
+        gv = engine.grad_and_value(loss)
+        for step in range(STEPS):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            xy = torch.randn(6, 8, generator=gen), torch.randn(6, b_rows, generator=gen)
+            grads = torch.func.grad(loss)(params, xy) if mode == "pytree" else gv(params, xy)[0]
+            params, state, ss, info = engine.step(params, grads, state, ss)
+        results[mode] = (fzero.flatten(params, engine.layout), state.master,
+                         [b.leaves for b in engine.layout.buckets], [b.shard for b in engine.layout.buckets])
+    return results
+
+
+@pytest.mark.parametrize("b_rows", [8, 12], ids=["equal-buckets", "unequal-buckets"])
+def test_a_leaf_unused_on_one_rank_only_reduces_like_zero_grads(b_rows):
+    """Each rank starts its buckets in bucket order whatever order its grads complete in, so the
+    reduce-scatters meet their peers' (started as completed, equal buckets silently summed the
+    wrong grads and unequal ones aborted). The result: the unused leaf's grads count as zero on
+    that rank, as with ``torch.func.grad`` and reducing in ``step``."""
+    results = run_ranks(unused_on_one_rank, 2, b_rows)
+    for res in results:
+        leaves, shards = res["overlap"][2:]
+        assert leaves == [(1,), (0,)] and (shards[0] == shards[1]) == (b_rows == 8)
+        assert torch.equal(res["overlap"][0], res["pytree"][0])
+        assert torch.equal(res["overlap"][1], res["pytree"][1])
+    assert torch.equal(results[0]["overlap"][0], results[1]["overlap"][0])
