@@ -102,9 +102,26 @@ def check_params(params: Any) -> None:
             raise TypeError(f"params leaf {path!r} is a {type(leaf).__name__}, not a torch.Tensor")
         if not leaf.is_floating_point():
             raise TypeError(f"params leaf {path!r} has dtype {leaf.dtype}; parameters must be floating point")
+        if leaf.is_meta:
+            raise ValueError(f"params leaf {path!r} is on the meta device (a shape without values): materialize "
+                             "the params first (e.g. module.to_empty(device=...), then initialize them)")
         device = device or leaf.device
         if leaf.device != device:
             raise ValueError(f"params leaf {path!r} is on {leaf.device}, other leaves on {device}")
+    _check_untied(paths, leaves)
+
+
+def _check_untied(paths: list[str], leaves: list[torch.Tensor]) -> None:
+    """No two leaves may share memory: each leaf gets its own place in the flat buffer and its
+    own master, so tied weights (one tensor under two paths) would silently train apart."""
+    spans = sorted((x.untyped_storage().data_ptr() + x.storage_offset() * x.element_size(), i) for i, x in enumerate(leaves)
+                   if x.numel() > 0)
+    for (lo, i), (next_lo, j) in zip(spans, spans[1:]):
+        x = leaves[i]
+        if next_lo < lo + x.numel() * x.element_size() and x.untyped_storage().data_ptr() == leaves[j].untyped_storage().data_ptr():
+            raise ValueError(f"params leaves {paths[i]!r} and {paths[j]!r} share memory (tied weights?): fzero gives "
+                             "each leaf its own master, so they would train apart. Keep one leaf and use it in both "
+                             "places in the model's apply.")
 
 
 def first_difference(got: list[tuple[str, str]], want: list[tuple[str, str]]) -> str | None:

@@ -24,7 +24,7 @@ import torch
 
 from transforms import ShardContext, scalar
 
-from . import checks
+from . import checks, lineage
 from .comm import Comm, SimulatedComm, comm_of_mesh
 from .flat import Layout, flat_buffer, flatten, leaf_paths, make_layout, per_leaf_shard, shard_of, tree_shard, unflatten
 from .grads import Accumulated, GradPath, Segments
@@ -131,7 +131,30 @@ class Engine:
                              "transform state) by an earlier init; build a new engine with fzero.zero1 for them")
         with torch.no_grad():
             new_params = unflatten(comm.all_gather(first_params, layout), layout)
+        lineage.mark(new_params, state.master)
         return new_params, state, self.loss_scale.init(device)
+
+    def load_params(self, state: ZeroState, values: Any) -> tuple[Any, ZeroState]:
+        """Set the weights after ``init`` (pretrained weights, a surgery): the supported way,
+        where writing into the param views is not (the master is the truth; see ``fzero.lineage``).
+
+        ``values``: a pytree like the params, any floating dtype (FP32 keeps full precision).
+        Returns ``(params, state)``: the master shard is ``values``' shard in FP32, exactly as
+        ``init`` builds it (the first replica's on a hybrid mesh), the params its cast,
+        all-gathered; the transform state (moments, counts, hyperparameters) is kept. Call on
+        every rank; the step's inputs are not modified."""
+        b = self._ready()
+        layout, comm = b.grads.layout, self.comm
+        checks.check_params(values)
+        checks.check_like_layout(values, layout, what="values", device=b.grads.device)
+        with torch.no_grad():
+            shard = comm.replicate_shard(tree_shard(values, layout, comm.rank, dtype=torch.float32))
+            params_shard = cast_params(shard, self.param_dtype, copy=True)
+            new_state = self._stored(ZeroState(self._to_state_device(shard, b.state_device), state.tx_state),
+                                     params_shard)
+            new_params = unflatten(comm.all_gather(params_shard, layout), layout)
+        lineage.mark(new_params, new_state.master)
+        return new_params, new_state
 
     def _fresh_state(self, params: Any, layout: Layout, master: torch.Tensor) -> ZeroState:
         """The transform initialized on the master shard; per-leaf settings (masks) refer to the
@@ -165,11 +188,15 @@ class Engine:
         like = layout.treespec.unflatten([torch.zeros((), device=b.grads.device).expand(s) for s in layout.shapes])
         return self._fresh_state(like, layout, master), self.loss_scale.init(b.grads.device)
 
-    def with_fp32_master(self, params: Any, state: ZeroState) -> ZeroState:
+    def with_fp32_master(self, params: Any, state: ZeroState, *, where: str = "engine.with_fp32_master") -> ZeroState:
         """``state`` with its FP32 master shard: with ``master="remainder"`` rebuilt, exactly,
         from this rank's shard of ``params`` (pytree or flat buffer) and the remainder; the
-        state itself otherwise."""
-        return self._joined(params, self._ready().grads.check(params, "params"), state)
+        state itself otherwise. Raises (naming ``where``) if ``params`` were edited in place
+        since the engine returned them, or, with the remainder, come from another step
+        (``fzero.lineage``)."""
+        flat_in = self._ready().grads.check(params, "params")
+        lineage.check(params, state.master, where=where, same_step=self.master == "remainder")
+        return self._joined(params, flat_in, state)
 
     def _joined(self, params: Any, flat_in: bool, state: ZeroState) -> ZeroState:
         """``with_fp32_master`` for params already checked (``flat_in``: the flat buffer)."""
@@ -218,6 +245,7 @@ class Engine:
         flat_in = path.check(params, "params")  # the flat buffer itself (flat_params) or the pytree
         checks.check_state(state, scaler_state, ZeroState, layout.shard_numel, b.tx_leaves, b.tx_spec,
                            master_dtype=torch.int16 if self.master == "remainder" else torch.float32)
+        lineage.check(params, state.master, where="engine.step", same_step=self.master == "remainder")
         given, state = state, self._joined(params, flat_in, state)  # remainder: join the params shard and it
         scale = scaler_state.scale
 
@@ -272,7 +300,8 @@ class Engine:
                 "scale_stuck": self.loss_scale.stuck(scaler_state)}
         new_state = self._stored(ZeroState(master, tx_state), shard)  # master="remainder": split again
         if self.donate:  # write into the inputs' buffers: no allocation of state
-            new_state = write_into(given, new_state)
+            new_state = lineage.hand_over(write_into(given, new_state))
+        lineage.mark(new_params, new_state.master)
         return new_params, new_state, scaler_state, info
 
     # ------------------------------------------------------------------ grads

@@ -437,7 +437,7 @@ def test_grads_of_the_flat_buffer_equal_the_pytree_path(donate, simulate):
     assert flat_new.shape == (engine.layout.padded_numel,) and tree_equal(fzero.unflatten(flat_new, engine.layout), ref_new)
     assert tree_equal(flat_state, ref_state)
     with pytest.raises(TypeError, match="flat grads have dtype torch.float32"):
-        engine.step(b[0], gb.float(), b[1], b[2])
+        engine.step(b[0], gb.float(), flat_state, b[2])
     with pytest.raises(ValueError, match="not views of one flat buffer"):
         engine.flat_params(optree.tree_map(torch.clone, b[0]))
 
@@ -553,7 +553,7 @@ def test_fused_step_at_world_size_one_reads_the_grad_leaves_and_writes_the_param
     params, state, ss = engine.init(p0)
     S, ptr = engine.layout.shard_numel, engine.flat_params(params).data_ptr()
     grads = optree.tree_map(lambda p: torch.randn(p.shape).to(param_dtype), params)
-    engine.step(params, grads, state, ss)  # first call: one-time work
+    params, state, ss, _ = engine.step(params, grads, state, ss)  # first call: one-time work
     with NewTensors() as new:
         params, state, ss, info = engine.step(params, grads, state, ss)
     assert max(new.numels) <= 256 < S and engine.flat_params(params).data_ptr() == ptr

@@ -221,6 +221,8 @@ def check_hyperparam(where: str, name: str, value, *, rule: str | None = None, s
     ``HYPERPARAM_RULES[rule or name]``. ``value``: a Python number or a 1-element tensor (read on
     the host: call this at construction, never inside an ``update``)."""
     shown = shown or name
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise ValueError(f"{where}: invalid {shown}: {value!r} (must be a real number or a 1-element tensor, not a bool)")
     try:
         v = float(value)
     except (TypeError, ValueError, RuntimeError):
