@@ -39,10 +39,15 @@ import weakref
 from typing import ClassVar
 
 import torch
-import torch._dynamo  # noqa: F401 -- before any process group exists: see the module docstring
 import torch.distributed as dist
+
+# Imported after init_process_group, the import of torch._dynamo below takes references to the
+# groups that exist (see above): shutdown's warning then names the import order as the cause.
+_IMPORTED_AFTER_GROUP = "torch._dynamo" not in sys.modules and dist.is_available() and dist.is_initialized()
+import torch._dynamo  # noqa: E402,F401 -- before any process group exists: see the module docstring
 import torch.distributed._functional_collectives as funcol
 
+from . import arrival
 from .flat import Layout, concat
 
 __all__ = ["Comm", "HybridComm", "SimulatedComm", "CollectiveError", "resolve_group", "comm_of_mesh", "shutdown",
@@ -190,6 +195,12 @@ class Comm(_Collectives):
         """The ``ProcessGroup`` object, resolved now (off the hot path: barriers, objects)."""
         return _resolve_name(self.group)
 
+    def arrive(self, what: str, *, timeout: float) -> None:
+        """Every rank reaches the collective call ``what`` within ``timeout`` seconds, or every
+        waiting rank raises naming the missing ones (``fzero.arrival``). Off the hot path."""
+        if self.world_size > 1:
+            arrival.arrive(self.group, what, timeout=timeout)
+
     def check_unchanged(self) -> None:
         """Raise if the group's size changed since init (a layout for N ranks is useless at M),
         e.g. ``group=None`` before ``init_process_group`` and a step after it, or a group
@@ -315,6 +326,11 @@ class HybridComm(Comm):
         return cls(_group_name(shard), dist.get_rank(shard), dist.get_world_size(shard), _group_name(shard),
                    _group_name(rep), dist.get_rank(rep), dist.get_world_size(rep))
 
+    def arrive(self, what: str, *, timeout: float) -> None:
+        super().arrive(what, timeout=timeout)
+        if self.replicas > 1:
+            arrival.arrive(self.replicate, what, timeout=timeout)
+
     def check_unchanged(self) -> None:
         super().check_unchanged()
         try:
@@ -394,6 +410,9 @@ class SimulatedComm(_Collectives):
     def check_unchanged(self) -> None:
         """A simulated world never changes."""
 
+    def arrive(self, what: str, *, timeout: float) -> None:
+        """Every simulated rank is here."""
+
     def wait(self, x: torch.Tensor, what: str = "collective") -> torch.Tensor:
         return x
 
@@ -426,9 +445,16 @@ def _shutdown_at_exit() -> None:
         atexit.register(shutdown, barrier=False, at_exit=True)
 
 
-def shutdown(*, barrier: bool = True, at_exit: bool = False) -> None:
-    """End this process's use of torch.distributed: wait for every rank (``barrier``), then
+def shutdown(*, barrier: bool = True, at_exit: bool = False, timeout: float = 60.0) -> None:
+    """End this process's use of torch.distributed: wait for every rank (``barrier``, at most
+    ``timeout`` seconds for the last one to arrive, see ``fzero.arrival``), then
     ``destroy_process_group()`` and check that the backend is really gone.
+
+    Called while an exception propagates (``try: main() finally: fzero.shutdown()``), it waits
+    for nobody and destroys nothing: it tells the ranks waiting in an fzero call that this rank
+    failed (they raise at once, naming its error) and returns, so the exception is shown and the
+    process exits, which ends its peers' collectives too (a collective of this rank may still be
+    in flight: destroying the group would wait for it).
 
     Call it on every rank at the end of a torchrun script (it is a no-op when no process
     group is initialized). Destroying the group joins the backend's threads (gloo's workers
@@ -444,16 +470,26 @@ def shutdown(*, barrier: bool = True, at_exit: bool = False) -> None:
         return
     if at_exit and (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None:
         return  # an uncaught exception ends the script: a collective may still be in flight, don't wait on it
+    failing = sys.exc_info()[1]
+    if failing is not None and not at_exit:
+        arrival.report_failure(failing)
+        return
     group = dist.group.WORLD
     if barrier:
+        if dist.get_world_size() > 1:
+            arrival.arrive(group.group_name, "fzero.shutdown", timeout=timeout)
         dist.barrier()
     alive = weakref.ref(group)
     del group
+    arrival.reset()
     dist.destroy_process_group()
     if alive() is not None:
+        cause = ("fzero was imported after init_process_group, and its import of torch._dynamo took references to "
+                 "the process groups alive then: import fzero before init_process_group" if _IMPORTED_AFTER_GROUP else
+                 "drop your references to ProcessGroup objects before exit")
         warnings.warn(
             "fzero.shutdown: the default process group is still referenced after destroy_process_group(), "
-            "so its backend threads outlive it; drop your references to ProcessGroup objects before exit",
+            f"so its backend threads outlive it; {cause}",
             RuntimeWarning,
             stacklevel=3 if at_exit else 2,
         )

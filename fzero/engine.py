@@ -65,7 +65,7 @@ class Engine:
     tensors only: what a checkpoint stores, and what ``torch.compile`` guards on."""
 
     def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, alignment, bucket_bytes, stage,
-                 offload, donate, chunk_numel, simulate, master):
+                 offload, donate, chunk_numel, simulate, master, call_timeout):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
         self.master = checks.check_master(master, self.param_dtype)
@@ -77,6 +77,9 @@ class Engine:
         self.reduce_dtype, self.alignment, self.stage = reduce_dtype, alignment, stage
         self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
         self.offload, self.donate, self.chunk_numel = offload, donate, chunk_numel
+        if not (isinstance(call_timeout, (int, float)) and not isinstance(call_timeout, bool) and call_timeout > 0):
+            raise ValueError(f"call_timeout must be a positive number of seconds, got {call_timeout!r}")
+        self.call_timeout = float(call_timeout)
         given = [name for name, v in (("group", group), ("mesh", mesh), ("simulate", simulate)) if v is not None]
         if len(given) > 1:
             raise ValueError(f"zero1: give at most one of group=, mesh= and simulate= (got {' and '.join(given)})")
@@ -108,6 +111,7 @@ class Engine:
         """
         checks.check_params(params)
         comm = self.comm
+        comm.arrive("engine.init", timeout=self.call_timeout)
         layout = make_layout(params, comm.world_size, alignment=self.alignment, bucket_numel=self.bucket_numel)
         device = optree.tree_leaves(params)[0].device
         state_device = torch.device("cpu") if self.offload else device
@@ -147,6 +151,7 @@ class Engine:
         layout, comm = b.grads.layout, self.comm
         checks.check_params(values)
         checks.check_like_layout(values, layout, what="values", device=b.grads.device)
+        comm.arrive("engine.load_params", timeout=self.call_timeout)
         with torch.no_grad():
             shard = comm.replicate_shard(tree_shard(values, layout, comm.rank, dtype=torch.float32))
             params_shard = cast_params(shard, self.param_dtype, copy=True)
@@ -365,6 +370,7 @@ class Engine:
         size 1. A collective call (every rank must make it) that syncs the host: for a metrics
         log every few steps, not for the hot loop."""
         path = self._ready().grads
+        self.comm.arrive("engine.time_collectives", timeout=self.call_timeout)
         return self.comm.time_buckets(path.layout, path.reduce_dtype, self.param_dtype, path.device)
 
     def state_bytes(self, state: ZeroState) -> int:
@@ -388,6 +394,7 @@ def zero1(
     chunk_numel: int | None = 2**18,
     simulate: tuple[int, ...] | None = None,
     master: str = "fp32",
+    call_timeout: float = 60.0,
 ) -> Engine:
     """A ZeRO engine (stage 1 by default) for gradient transformation ``tx``.
 
@@ -431,6 +438,11 @@ def zero1(
         params only): an int16 ``[S]`` remainder below this rank's BF16 params shard instead,
         2S bytes, from which the step rebuilds the exact FP32 master and into which it splits
         it again (``fzero.remainder``): the same training bit for bit, state 10S instead of 12S.
+      call_timeout: seconds a collective call off the hot path (``init``, ``load_params``,
+        ``time_collectives``, the ``fzero.checkpoint`` functions) waits for every rank to reach
+        it; then every waiting rank raises naming the ranks that did not (default 60). A rank in
+        another fzero call, or one that failed inside ``try: ... finally: fzero.shutdown()``,
+        makes them raise at once (``fzero.arrival``).
     """
     options = dict(locals())
     return Engine(options.pop("tx"), **options)
