@@ -7,7 +7,9 @@ that errors are raised on every rank. Crash points are simulated in-process by a
 passed to ``save`` that raises a ``BaseException`` the save does not catch (the files are then
 exactly as a kill leaves them); one spawned run really kills a rank in the middle of its write.
 Loads racing saves: ``load``'s ``_hook`` saves between its phases (deterministic), and two
-spawned processes save and load the same path over and over.
+spawned processes save and load the same path over and over. Saves racing saves: a save's
+``_hook`` starts a second save while the first holds the lock (deterministic), and two spawned
+processes save to the same path over and over.
 """
 import glob
 import hashlib
@@ -15,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 import warnings
 
@@ -118,7 +121,8 @@ def entries(path):
     return sorted(re.sub(r"^snapshot-[0-9a-f]{32}$", "snapshot-*", name) for name in os.listdir(path))
 
 
-COMMITTED = sorted([commit.POINTER, commit.MARKER, "snapshot-*", "snapshot-*"])  # after two saves or more
+ONE = sorted([commit.POINTER, commit.MARKER, commit.LOCK, "snapshot-*"])  # after the first save
+COMMITTED = sorted(ONE + ["snapshot-*"])  # after two saves or more
 
 
 def flip_byte(file, from_end=5):
@@ -358,17 +362,29 @@ def test_crash_at_any_point_leaves_a_loadable_checkpoint(tmp_path, point):
     assert ck.load(path, fresh)[3] == {"v": 3}
 
 
-def test_crash_in_the_first_save_then_a_save_that_completes(tmp_path):
+@pytest.mark.parametrize("point", ["shard_written", "manifest_written"])
+def test_crash_in_the_first_save_then_saves_that_complete(tmp_path, point):
     path = str(tmp_path / "ckpt")
     engine = make_engine()
     params, state, ss = trained(engine, 2)
     with pytest.raises(Killed):
-        ck.save(path, params, state, ss, engine, _hook=crash_at("manifest_written"))
+        ck.save(path, params, state, ss, engine, _hook=crash_at(point))
     with pytest.raises(ck.CheckpointError, match="no save to it has completed"):
         ck.load(path, fresh_engine())
-    ck.save(path, params, state, ss, engine, extra={"v": 1})
-    assert entries(path) == sorted([commit.POINTER, commit.MARKER, "snapshot-*"])  # the partial snapshot is gone
+    (partial,) = [n for n in os.listdir(path) if n.startswith("snapshot-")]
+    if point == "shard_written":  # no manifest: never committed, deleted without a word
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ck.save(path, params, state, ss, engine, extra={"v": 1})
+        assert entries(path) == ONE
+    else:  # complete but never committed: with no pointer the save cannot tell it from a
+        # checkpoint whose pointer was lost, so it keeps it, as the previous one, and says so
+        with pytest.warns(UserWarning, match=rf"{commit.POINTER} is missing .* kept {partial}"):
+            ck.save(path, params, state, ss, engine, extra={"v": 1})
+        assert entries(path) == COMMITTED and partial in os.listdir(path)
     assert ck.load(path, fresh_engine())[3] == {"v": 1}
+    ck.save(path, params, state, ss, engine, extra={"v": 2})
+    assert entries(path) == COMMITTED and partial not in os.listdir(path)
 
 
 def crash_rank1_mid_write(rank, world_size, tmp):
@@ -397,7 +413,7 @@ def test_rank_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     assert dead is None and msg.startswith("save ") and "did one die?" in msg, msg
     path = str(tmp_path / "ckpt")
     # the surviving rank 0 removed the partial snapshot; the previous one is intact
-    assert entries(path) == sorted([commit.POINTER, commit.MARKER, "snapshot-*"])
+    assert entries(path) == ONE
     assert sorted(os.listdir(snapshot_dir(path))) == ["manifest.json"] + [f"shard-0000{r}-of-00002.safetensors" for r in range(2)]
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ref.safetensors"]
     engine = make_engine()
@@ -889,7 +905,7 @@ def test_save_refuses_what_load_would_refuse(saved):
     with pytest.raises(ck.CheckpointError, match=r"manifest field state\['tx_state/0/b2'\]\.value = 1\.5: must be in \[0, 1\)"):
         ck.save(path, params, bad, ss, engine)
     # nothing was committed, no snapshot left behind
-    assert entries(path) == sorted([commit.POINTER, commit.MARKER, "snapshot-*"])
+    assert entries(path) == ONE
     assert ck.load(path, fresh_engine())[3] == {"epoch": 1, "seen": [1, 2]}
 
 
@@ -965,3 +981,247 @@ def test_a_loaded_state_keeps_the_fused_adamw_path(saved, hyperparams, monkeypat
     assert all(transforms.host_value(t) is not None for _, t in transforms.iter_hyperparams(s.tx_state))
     run_steps(fresh, p, s, sc, [7])
     assert calls == [1]
+
+
+# ------------------------------------------------------------------------ saves to one path exclude each other
+def contents(path):
+    """Every file under ``path`` (hidden ones too) and its bytes."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            with open(file, "rb") as f:
+                out[os.path.relpath(file, path)] = f.read()
+    return out
+
+
+def test_a_save_while_another_is_in_progress_fails_and_changes_nothing(saved):
+    path, engine, params, state, ss = saved
+    p2, s2, ss2 = run_steps(engine, params, state, ss, range(3, 5))
+    seen = {}
+
+    def contend(point, **info):
+        if point == "shard_written":  # the first save holds the lock: a second one on the same path
+            before = contents(path)
+            with pytest.raises(ck.CheckpointError) as e:
+                ck.save(path, p2, s2, ss2, engine, extra={"v": "second"})
+            seen["error"], seen["unchanged"] = str(e.value), contents(path) == before
+
+    ck.save(path, params, state, ss, engine, extra={"v": "first"}, _hook=contend)
+    assert seen["unchanged"]
+    assert seen["error"].startswith(f"another save to {path} is in progress (pid {os.getpid()} on "), seen["error"]
+    assert "this save changed nothing" in seen["error"]
+    assert entries(path) == COMMITTED and ck.load(path, fresh_engine())[3] == {"v": "first"}
+
+
+HAMMER_SECONDS = 2.0
+
+
+def hammer_saves(rank, world_size, tmp):
+    """Two independent one-process jobs (no group) saving to one path as fast as they can, as
+    the orphaned workers of a killed launcher do; each save's tag says which job wrote it."""
+    path = os.path.join(tmp, "ckpt")
+    engine = make_engine()
+    params, state, ss = engine.init(model_params())
+    open(os.path.join(tmp, f"ready{rank}"), "w").close()
+    while not all(os.path.exists(os.path.join(tmp, f"ready{r}")) for r in range(world_size)):
+        time.sleep(0.01)
+    out = {"saved": [], "refused": 0, "errors": []}
+    start, i = time.monotonic(), 0
+    while time.monotonic() - start < HAMMER_SECONDS:
+        tag = 1000 * (rank + 1) + i
+        i += 1
+        try:
+            ck.save(path, params, *tagged(state, ss, tag), engine, extra={"tag": tag})
+            out["saved"].append(tag)
+        except ck.CheckpointError as e:
+            if str(e).startswith(f"another save to {path} is in progress ("):
+                out["refused"] += 1
+            else:
+                out["errors"].append(str(e))
+    return out
+
+
+def test_concurrent_savers_exclude_each_other_and_leave_no_orphans(tmp_path):
+    path = str(tmp_path / "ckpt")
+    engine = make_engine()
+    params, state, ss = engine.init(model_params())
+    ck.save(path, params, *tagged(state, ss, 1), engine, extra={"tag": 1})  # the previous checkpoint
+    jobs = run_ranks(hammer_saves, 2, str(tmp_path), init=False, timeout=120)
+    assert [j["errors"] for j in jobs] == [[], []], jobs
+    saved_tags = {1} | {t for j in jobs for t in j["saved"]}
+    _, s, sc, extra = ck.load(path, engine, hyperparams="checkpoint")
+    assert extra["tag"] in saved_tags and mixed_parts(engine, s, sc, extra) == []
+    assert len(saved_tags) >= 3
+    ck.save(path, params, *tagged(state, ss, 2), engine, extra={"tag": 2})
+    assert entries(path) == COMMITTED  # no snapshot left behind by either job
+
+
+def save_then_die(rank, world_size, path):
+    engine = make_engine()
+    params, state, ss = trained(engine, 2)
+
+    def die(point, **info):
+        if point == "shard_written":
+            os.kill(os.getpid(), signal.SIGKILL)  # holding the lock
+
+    ck.save(path, params, state, ss, engine, extra={"v": "dead"}, _hook=die)
+
+
+def test_a_saver_killed_holding_the_lock_does_not_block_the_next_save(saved):
+    path, engine, params, state, ss = saved
+    assert run_ranks(save_then_die, 1, path, init=False, may_die=(0,)) == [None]
+    assert ck.load(path, fresh_engine())[3] == {"epoch": 1, "seen": [1, 2]}
+    ck.save(path, params, state, ss, engine, extra={"v": "next"})  # the kernel dropped the dead one's lock
+    assert entries(path) == COMMITTED and ck.load(path, fresh_engine())[3] == {"v": "next"}
+
+
+# ------------------------------------------------------------------------ a damaged pointer
+def damage_pointer(path, how):
+    pointer = os.path.join(path, commit.POINTER)
+    if how == "deleted":
+        os.remove(pointer)
+    else:
+        os.truncate(pointer, os.path.getsize(pointer) // 2)
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted"])
+def test_a_damaged_pointer_keeps_the_intact_snapshot_and_recover_restores_it(saved, how):
+    path, engine, params, state, ss = saved
+    original, good = global_view(engine, state, ss), os.path.basename(snapshot_dir(path))
+    damage_pointer(path, how)
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.load(path, fresh_engine())
+    msg = str(e.value)
+    assert f"{good} (no step)" in msg and f"fzero.checkpoint.recover({path!r})" in msg, msg
+    assert ck.recover(path) == good  # verifies it, points current.json at it
+    _, s, sc, _ = ck.load(path, fresh_engine())
+    assert_views_equal(global_view(engine, s, sc), original)
+
+    damage_pointer(path, how)  # a save now keeps it (it cannot tell which snapshot was current)
+    p2, s2, ss2 = run_steps(engine, params, state, ss, range(3, 5))
+    with pytest.warns(UserWarning, match=rf"kept {good}"):
+        ck.save(path, p2, s2, ss2, engine, extra={"step": 5})
+    assert good in os.listdir(path) and ck.load(path, fresh_engine())[3] == {"step": 5}
+    assert ck.recover(path, good) == good  # go back to it by name
+    _, s, sc, _ = ck.load(path, fresh_engine())
+    assert_views_equal(global_view(engine, s, sc), original)
+
+
+def test_recover_verifies_the_snapshot_first(saved):
+    path, engine, params, state, ss = saved
+    good = os.path.basename(snapshot_dir(path))
+    damage_pointer(path, "deleted")
+    flip_byte(shard_files_of(path, good)[0])
+    before = contents(path)
+    with pytest.raises(ck.CheckpointError, match=rf"{good}/shard-00000-of-00001.safetensors is corrupted"):
+        ck.recover(path, good)
+    with pytest.raises(ck.CheckpointError, match=rf"no snapshot in {re.escape(path)} passes verification: {good}: .* is corrupted"):
+        ck.recover(path)
+    with pytest.raises(ck.CheckpointError, match=r"no snapshot 'snapshot-0+' in"):
+        ck.recover(path, "snapshot-" + "0" * 32)
+    assert contents(path) == before  # nothing re-pointed
+
+
+def shard_files_of(path, snapshot):
+    return sorted(glob.glob(os.path.join(path, snapshot, "shard-*.safetensors")))
+
+
+# ------------------------------------------------------------------------ what save accepts
+@pytest.mark.parametrize("master", ["fp32", "remainder"])
+def test_save_accepts_the_flat_buffer_that_step_accepts(tmp_path, master):
+    kw = {"master": "remainder", "param_dtype": torch.bfloat16} if master == "remainder" else {}
+    engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), **{"param_dtype": torch.float16, **kw})
+    params, state, ss = engine.init(model_params())
+    flat = engine.flat_params(params)
+    grads = optree.tree_map(lambda g: g.to(engine.param_dtype), grads_like(model_params(), 1))
+    flat, state, ss, _ = engine.step(flat, fzero.flatten(grads, engine.layout), state, ss)
+    ck.save(str(tmp_path / "flat"), flat, state, ss, engine)
+    ck.save(str(tmp_path / "tree"), fzero.unflatten(flat, engine.layout), state, ss, engine)
+    got = {}
+    for name in ("flat", "tree"):
+        _, s, sc, _ = ck.load(str(tmp_path / name), engine)
+        got[name] = optree.tree_leaves((s, sc))
+    assert all(torch.equal(a, b) for a, b in zip(got["flat"], got["tree"]))
+    assert torch.equal(got["flat"][0], state.master)  # the stored master: FP32 or the remainder, as saved
+    with pytest.raises(ck.CheckpointError, match=r"flat params have dtype torch.float32, expected torch.(b?float16)"):
+        ck.save(str(tmp_path / "fp32"), flat.float(), state, ss, engine)  # checked as step checks it
+    assert not os.path.exists(tmp_path / "fp32")
+
+
+# ------------------------------------------------------------------------ two ranks: a locked path, different paths, masks
+def mask_without_w(p):
+    """Like ``make_engine``'s mask, but ``w`` does not decay and ``z`` only in its first 5 rows."""
+    out = optree.tree_map(lambda x: x.ndim > 1, p)
+    out["w"] = False
+    out["z"] = (torch.arange(p["z"].shape[0]) < 5)[:, None].expand(p["z"].shape)
+    return out
+
+
+def other_mask_engine():
+    tx = transforms.adamw(lr=transforms.linear_warmup(1e-3, 1e-2, 3), weight_decay=0.1, weight_decay_mask=mask_without_w)
+    return fzero.zero1(tx, param_dtype=torch.float16, loss_scale=fzero.DynamicLossScale(init_scale=16.0))
+
+
+def two_ranks(rank, world_size, tmp):
+    engine = make_engine()
+    params, state, ss = trained(engine, 2)
+    try:
+        ck.save(os.path.join(tmp, "locked"), params, state, ss, engine)
+        out = {"locked": "saved"}
+    except ck.CheckpointError as e:
+        out = {"locked": str(e)}
+    out["different"] = load_error(os.path.join(tmp, f"c{rank}"), engine)
+    out["copy"] = load_error(os.path.join(tmp, "c0" if rank == 0 else "c0_copy"), engine)
+    other = other_mask_engine()
+    _, fresh_state, fresh_ss = other.init(model_params(seed=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, s, sc, _ = ck.load(os.path.join(tmp, "c0"), other)
+    out["warnings"] = [str(w.message) for w in caught]
+    out["engine_mask"] = global_view(other, s, sc)["tx_state/1/mask"]
+    out["fresh_mask"] = global_view(other, fresh_state, fresh_ss)["tx_state/1/mask"]
+    _, s, sc, _ = ck.load(os.path.join(tmp, "c0"), other, hyperparams="checkpoint")
+    out["saved_mask"] = global_view(other, s, sc)["tx_state/1/mask"]
+    return out
+
+
+def test_two_ranks_a_locked_path_different_paths_and_a_changed_mask(tmp_path):
+    """One 2-rank job: a save to a path another job is saving to fails on every rank and changes
+    nothing; a load whose ranks were given different checkpoints says so, naming each rank's
+    path (a copy reached by another path is the same checkpoint: fine); a weight-decay mask
+    that differs from the checkpoint's follows the hyperparameters' rule, named leaf by leaf."""
+    tmp = str(tmp_path)
+    for name, seed in (("locked", 2), ("c0", 0), ("c1", 1)):
+        engine = make_engine()
+        params, state, ss = trained(engine, 3, seed=seed)
+        ck.save(os.path.join(tmp, name), params, state, ss, engine, extra={"v": name})
+    shutil.copytree(os.path.join(tmp, "c0"), os.path.join(tmp, "c0_copy"))
+    saved_mask = global_view(engine, state, ss)["tx_state/1/mask"]  # c0's and c1's
+    locked = os.path.join(tmp, "locked")
+    lock = commit._lock(locked)  # another job's save in progress (this process)
+    try:
+        before = contents(locked)
+        r = run_ranks(two_ranks, 2, tmp)
+        assert contents(locked) == before
+    finally:
+        commit._unlock(lock)
+    assert r[0]["locked"] == r[1]["locked"], r  # agreed: every rank raised the same error
+    assert r[0]["locked"].startswith(f"save {locked}: rank 0: another save to {locked} is in progress (pid {os.getpid()} ")
+    assert ck.load(locked, fresh_engine())[3] == {"v": "locked"}  # the previous checkpoint
+
+    assert r[0]["different"] == r[1]["different"], r
+    msg = r[0]["different"]
+    assert "the ranks were given different checkpoints" in msg and "replaced" not in msg, msg
+    assert f"rank 0: {tmp}/c0;" in msg and f"rank 1: {tmp}/c1 (has no snapshot-" in msg, msg
+    assert r[0]["copy"] == r[1]["copy"] == "no error"
+
+    (warning,) = r[0]["warnings"]
+    assert r[1]["warnings"] == []  # rank 0 warns, once, for every rank
+    assert "tx_state/1/mask[w]: checkpoint True, engine False" in warning, warning
+    assert "tx_state/1/mask[z]: checkpoint True on 391 of 391 elements, engine on 115" in warning, warning
+    assert "blocks" not in warning and 'hyperparams="checkpoint"' in warning, warning
+    for rank in r:
+        assert torch.equal(rank["engine_mask"], rank["fresh_mask"])  # the engine's mask takes effect
+        assert torch.equal(rank["saved_mask"], saved_mask)  # or the checkpoint's, when asked
+    assert not torch.equal(saved_mask, r[0]["fresh_mask"])

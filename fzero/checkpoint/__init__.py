@@ -7,10 +7,12 @@ group)::
     load(path, engine, *, verify=True, hyperparams="engine") -> (params, state, scaler_state, extra)
     export_full(path, params_or_state, engine) -> None
     read_manifest(path) -> dict                      # any process, no group needed
+    recover(path, snapshot=None) -> str              # one process: re-point a lost/damaged pointer
 
 A checkpoint is a directory of immutable snapshots and a pointer to the current one; a save
 writes a new snapshot, then commits it by atomically replacing the pointer (the protocol, and
-what a crash at each point leaves: :mod:`fzero.checkpoint.commit`). A snapshot holds one
+what a crash at each point leaves: :mod:`fzero.checkpoint.commit`); saves to one path exclude
+each other (a lock). A snapshot holds one
 safetensors file per rank and ``manifest.json`` (:mod:`fzero.checkpoint.manifest`). Each
 rank's file holds the real elements of its shard in *global* coordinates -- ranges of the
 params' leaves concatenated in tree order, without padding -- so a load at any world size,
@@ -69,7 +71,7 @@ from .commit import _need_safetensors, _no_hook
 from .manifest import FORMAT
 from .strict_json import VERSION, CheckpointError, _dtype_name
 
-__all__ = ["CheckpointError", "save", "load", "export_full", "read_manifest", "FORMAT", "VERSION"]
+__all__ = ["CheckpointError", "save", "load", "export_full", "read_manifest", "recover", "FORMAT", "VERSION"]
 
 EXPORT_FORMAT = "fzero-export"
 HYPERPARAMS_FROM = ("engine", "checkpoint")
@@ -121,14 +123,18 @@ def _check_params(params, layout: Layout) -> None:
         raise CheckpointError("params do not have the structure the engine was initialized with")
 
 
-def _check_save_args(params, state, scaler_state, layout: Layout, extra) -> tuple:
+def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tuple:
+    """What ``save`` stores, checked: the state's leaves with its FP32 master, their kinds, the
+    ``extra`` text. ``params``: the pytree or the flat buffer (``engine.flat_params``), as
+    ``step`` takes them."""
     if not isinstance(state, ZeroState):
         raise CheckpointError(f"state must be the ZeroState from engine.init/step, got {type(state).__name__}")
-    _check_params(params, layout)
     if not isinstance(scaler_state, LossScaleState):
         raise CheckpointError(f"scaler_state must be the LossScaleState from engine.init/step, got {type(scaler_state).__name__}")
-    names, leaves, _ = leaf_paths(state)
-    kinds = manifest._classify(names, leaves, layout.shard_numel)
+    # the one place the params are used (checked as step checks them); master="remainder":
+    # the FP32 master joined from this rank's shard of them and the remainder
+    names, leaves, _ = leaf_paths(engine.with_fp32_master(params, state))
+    kinds = manifest._classify(names, leaves, engine.layout.shard_numel)
     return names, leaves, kinds, manifest._extra_json(extra)
 
 
@@ -142,11 +148,17 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     then atomically points ``path/current.json`` at it and deletes the snapshots older than the
     previous one (see :mod:`fzero.checkpoint.commit`). A crash at any point leaves the previous
     checkpoint loadable. ``path`` may be missing, an empty directory or an fzero checkpoint
-    directory; anything else raises ``CheckpointError``. ``params`` are not stored (they are the
-    master cast to ``param_dtype``); they are checked against the layout. ``extra``: a small
-    dict of strict JSON (no NaN or infinity; rank 0's is saved), e.g. the data loader's
-    position; its ``"step"``, if any, must be an integer >= 0 and becomes the manifest's
-    ``step``.
+    directory; anything else raises ``CheckpointError``. Saves to one path exclude each other:
+    while one is in progress (in any process) another raises ``CheckpointError`` on every rank
+    ("another save to ... is in progress", naming the holder's pid and host) and changes nothing.
+
+    ``params``: the params pytree from ``init``/``step``, or its flat buffer
+    (``engine.flat_params``), as ``step`` takes them -- of the same step as ``state``. They are
+    not stored (they are the master cast to ``param_dtype``); with ``master="remainder"`` the
+    FP32 master is rebuilt from them and the remainder (``engine.with_fp32_master``) and stored,
+    so the checkpoint loads into either master mode. ``extra``: a small dict of strict JSON (no
+    NaN or infinity; rank 0's is saved), e.g. the data loader's position; its ``"step"``, if
+    any, must be an integer >= 0 and becomes the manifest's ``step``.
     """
     layout, comm = _ready(engine)
     path = os.path.abspath(os.fspath(path))
@@ -154,12 +166,11 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     # With replicas (a hybrid mesh) the first replica's shard ranks write; the others only agree.
     writer = comm.replica == 0
     lead = writer and rank == 0
-    # master="remainder": the FP32 master is stored, exact, so the checkpoint loads into either mode
-    full = lambda: engine.with_fp32_master(params, state) if isinstance(state, ZeroState) else state  # noqa: E731
-    names, leaves, kinds, extra_text = _agree(comm, what, lambda: _check_save_args(params, full(), scaler_state, layout, extra))
-    snapshot = _agree(comm, what, lambda: commit._begin(path, _hook) if lead else None, gather=True)[0]
-    directory, committed = os.path.join(path, snapshot), []
+    names, leaves, kinds, extra_text = _agree(comm, what, lambda: _check_save_args(params, state, scaler_state, engine, extra))
+    held, committed = {}, []  # rank 0: the save lock and the new snapshot's name, once taken
     try:
+        snapshot = _agree(comm, what, lambda: commit._begin(path, held, _hook) if lead else None, gather=True)[0]
+        directory = os.path.join(path, snapshot)
         owned = layout.owned(rank)
         files = _agree(
             comm, what, lambda: commit._write_shard(directory, rank, n, names, leaves, kinds, owned, _hook) if writer else None,
@@ -175,9 +186,12 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
 
         _agree(comm, what, finish)
     except CheckpointError:
-        if lead and not committed:  # the pointer still names the previous snapshot
-            shutil.rmtree(directory, ignore_errors=True)
+        if "snapshot" in held and not committed:  # the pointer still names the previous snapshot
+            shutil.rmtree(os.path.join(path, held["snapshot"]), ignore_errors=True)
         raise
+    finally:
+        if "lock" in held:
+            commit._unlock(held["lock"])
 
 
 def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engine", _hook: Callable = _no_hook):
@@ -185,26 +199,31 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
 
     ``engine`` must have been ``init``-ed with params of the same model (a fresh init is fine),
     at any world size, alignment or bucketing. Returns new ``(params, state, scaler_state,
-    extra)``: the state holds this rank's shard of the saved global master/moments/masks and
-    the saved 0-d leaves; ``params`` are the all-gather of the master cast to the engine's
+    extra)``: the state holds this rank's shard of the saved global master/moments and the
+    saved 0-d leaves; ``params`` are the all-gather of the master cast to the engine's
     ``param_dtype``. The loss-scale state is restored, except that a static (or no) loss
     scale keeps the engine's own fixed scale.
 
-    ``hyperparams``: where the hyperparameters come from -- the 0-d state leaves named in a
-    state NamedTuple's ``HYPERPARAMS`` (``lr``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
-    ``max_norm``, ``momentum``; see ``transforms.iter_hyperparams``). ``"engine"`` (default):
-    the engine's own, i.e. the values its transform was built with, so a resumed run uses the
-    hyperparameters its code gives; one ``UserWarning`` (on rank 0) lists every one that differs
-    from the checkpoint's (name, checkpoint value, engine value). ``"checkpoint"``: the saved
-    ones (including values changed with ``transforms.set_hyperparams`` during training). Any
-    other value raises ``ValueError``. Counts, moments, masks and the master always come from
-    the checkpoint.
+    ``hyperparams``: where the optimizer's configuration comes from -- the 0-d state leaves
+    named in a state NamedTuple's ``HYPERPARAMS`` (``lr``, ``b1``, ``b2``, ``eps``,
+    ``weight_decay``, ``max_norm``, ``momentum``; see ``transforms.iter_hyperparams``) and the
+    per-leaf masks (``MaskedState.mask``: ``weight_decay_mask``, ``transforms.masked``).
+    ``"engine"`` (default): the engine's own, i.e. what its transform was built with, so a
+    resumed run uses the configuration its code gives; one ``UserWarning`` (on rank 0) lists
+    every hyperparameter that differs from the checkpoint's (name, checkpoint value, engine
+    value) and every params leaf whose mask differs (``tx_state/1/mask[w]: checkpoint True,
+    engine False``). ``"checkpoint"``: the saved ones (including values changed with
+    ``transforms.set_hyperparams`` during training). Any other value raises ``ValueError``.
+    Counts, moments and the master always come from the checkpoint.
 
     Every rank reads the snapshot that ``path/current.json`` named when rank 0 read it, so the
     result is one save's, even while another process saves to ``path``; if that snapshot is
     deleted before the load is done (two later saves), ``CheckpointError`` ("replaced while
-    loading"). A manifest with a value out of its range or type raises ``CheckpointError``
-    naming the field.
+    loading"). Ranks may reach the checkpoint by different paths (other mount points); ranks
+    given different checkpoints (that snapshot is not under every rank's path) raise
+    ``CheckpointError`` naming each rank's path. A missing or damaged ``current.json`` raises
+    ``CheckpointError`` naming the snapshots that have a valid manifest (see :func:`recover`).
+    A manifest with a value out of its range or type raises ``CheckpointError`` naming the field.
 
     ``verify``: check the sha256 of every shard file first, each file hashed by one rank (the
     one that reads most of it). Each rank then reads only the element ranges of the old files
@@ -216,20 +235,25 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     layout, comm = _ready(engine)
     path = os.path.abspath(os.fspath(path))
     rank, what = comm.rank, f"load {path}"
-    snapshot, digest = _agree(comm, what, lambda: commit._resolve(path) if rank == 0 else None, gather=True)[0]
+    given = _agree(comm, what, lambda: (path, commit._resolve(path) if rank == 0 else None), gather=True)
+    snapshot, digest = given[0][1]
+    _same_checkpoint(path, [p for p, _ in given], snapshot, comm, what)
     _hook("resolved", snapshot=snapshot)
     m, t = _agree(comm, what, lambda: reshard._open_snapshot(path, snapshot, digest, engine, layout))
     if verify:
         owned = [layout.owned(r) for r in range(layout.world_size)]
         _agree(comm, what, lambda: reshard._check_sums(path, snapshot, m["files"], owned, rank))
     _hook("verified", snapshot=snapshot)
-    leaves, scaler, differ = _agree(
+    leaves, scaler, differ, masks = _agree(
         comm, what, lambda: reshard._read_state(path, snapshot, m, t, layout.owned(rank), engine, hyperparams)
     )
-    if differ and hyperparams == "engine" and rank == 0 and comm.replica == 0:
-        listed = "; ".join(f"{name}: checkpoint {saved!r}, engine {mine!r}" for name, saved, mine in differ)
-        warnings.warn(f"load {path}: hyperparameters differ from the checkpoint's, the engine's take effect "
-                      f"(load(..., hyperparams=\"checkpoint\") restores the saved ones): {listed}", stacklevel=2)
+    if masks is not None:  # every rank's counts over its own elements (the first replica's: the others hold the same)
+        masks = reshard._mask_differences(_agree(comm, what, lambda: masks, gather=True)[: layout.world_size])
+    items = [f"{name}: checkpoint {saved!r}, engine {mine!r}" for name, saved, mine in differ] + (masks or [])
+    if items and hyperparams == "engine" and rank == 0 and comm.replica == 0:
+        warnings.warn(f"load {path}: the optimizer's configuration (hyperparameters, masks) differs from the "
+                      f"checkpoint's; the engine's takes effect (load(..., hyperparams=\"checkpoint\") restores the "
+                      f"saved one): {'; '.join(items)}", stacklevel=2)
     state = t.spec.unflatten(leaves)
     with torch.no_grad():
         shard = cast_params(state.master, engine.param_dtype, copy=True).to(engine.device)
@@ -237,11 +261,83 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     return params, engine._stored(state, shard), scaler, m["extra"]  # master="remainder": split it
 
 
+def _same_checkpoint(path: str, paths: list[str], snapshot: str, comm, what: str) -> None:
+    """Ranks given different paths (``path``: this rank's, ``paths``: every rank's) must all
+    find ``snapshot``, the one rank 0 resolved, under theirs; else every rank raises naming
+    each rank's path."""
+    if len(set(paths)) == 1:
+        return
+    found = _agree(comm, what, lambda: os.path.isdir(os.path.join(path, snapshot)), gather=True)
+    if all(found):
+        return  # one checkpoint reached by different paths (or an exact copy of it)
+    by_path: dict[str, list[int]] = {}
+    for r, p in enumerate(paths):
+        by_path.setdefault(p, []).append(r)
+    listed = "; ".join(
+        f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {p}" + ("" if found[rs[0]] else f" (has no {snapshot})")
+        for p, rs in by_path.items()
+    )
+    raise CheckpointError(f"load: the ranks were given different checkpoints: {listed}; {snapshot} is the snapshot "
+                          f"rank 0's {commit.POINTER} names. Give every rank the same path")
+
+
 def read_manifest(path) -> dict:
     """The parsed, validated manifest of the checkpoint at ``path`` (the snapshot its
     ``current.json`` names); no process group needed."""
     path = os.path.abspath(os.fspath(path))
     return reshard._read_snapshot_manifest(path, *commit._resolve(path))
+
+
+def recover(path, snapshot: str | None = None) -> str:
+    """Point ``path/current.json`` at a verified snapshot, for a checkpoint whose pointer is
+    missing or damaged (``load`` then names the snapshots it could use). Not collective: run it
+    in one process (it takes the save lock: ``CheckpointError`` while a save is in progress).
+
+    ``snapshot``: the name of a snapshot directory in ``path`` (``"snapshot-<32 hex>"``, as
+    ``load``'s error lists them). ``None``: if ``current.json`` is intact (it parses and the
+    manifest it names matches its sha256) nothing changes; else the newest snapshot (by its
+    manifest's modification time) that passes verification. Verification: the manifest is
+    valid and every shard file has the size and sha256 the manifest records (what
+    ``load(verify=True)`` checks). The snapshot is recorded in the marker if it was not.
+    Returns the snapshot's name; ``CheckpointError`` naming the file if it fails verification,
+    or listing each candidate's failure if none passes.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path}: it does not exist or is not a directory")
+    if snapshot is not None and not (commit._SNAPSHOT.fullmatch(snapshot) and os.path.isdir(os.path.join(path, snapshot))):
+        raise CheckpointError(f"no snapshot {snapshot!r} in {path}")
+    if snapshot is None and not commit._complete_snapshots(path):
+        raise CheckpointError(f"no snapshot in {path} has a valid {manifest.MANIFEST}")
+    lock = commit._lock(path)
+    try:
+        if snapshot is None:
+            try:  # intact: nothing to do
+                current, digest = commit._read_pointer(path)
+                reshard._read_snapshot_manifest(path, current, digest)
+                return current
+            except (OSError, CheckpointError):
+                pass
+            problems = []
+            for name, _ in reversed(commit._complete_snapshots(path)):
+                try:
+                    digest = reshard._verify_snapshot(path, name)
+                except CheckpointError as e:
+                    problems.append(f"{name}: {e}")
+                    continue
+                snapshot = name
+                break
+            else:
+                raise CheckpointError(f"no snapshot in {path} passes verification: {'; '.join(problems)}")
+        else:
+            digest = reshard._verify_snapshot(path, snapshot)
+        recorded = commit._recorded(path)
+        if snapshot not in recorded:
+            commit._write_marker(path, recorded + [snapshot])
+        commit._write_pointer(path, snapshot, digest, _no_hook)
+        return snapshot
+    finally:
+        commit._unlock(lock)
 
 
 def export_full(path, params_or_state, engine: Engine) -> None:

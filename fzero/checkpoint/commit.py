@@ -4,6 +4,7 @@
 
     path/fzero-checkpoint.json                            marker: the snapshots fzero created here
     path/current.json                                     pointer: current snapshot + its manifest's sha256
+    path/.fzero-checkpoint.lock                           the save lock (an empty file, flock-ed)
     path/snapshot-<32 hex>/manifest.json                  written by rank 0, last
     path/snapshot-<32 hex>/shard-00000-of-00002.safetensors   written by rank 0
     path/snapshot-<32 hex>/shard-00001-of-00002.safetensors   written by rank 1
@@ -12,15 +13,16 @@ A snapshot directory is written once, by one save, and never modified; its name
 ``snapshot-<uuid4 hex>`` is never reused. ``save``:
 
 1. rank 0 creates ``path`` if needed (an existing non-empty directory without the marker is not
-   fzero's: refused), records the new snapshot's name in the marker, then creates the snapshot
-   directory (so every snapshot fzero creates is recorded before it exists);
+   fzero's: refused), takes the save lock (below), records the new snapshot's name in the
+   marker, then creates the snapshot directory (so every snapshot fzero creates is recorded
+   before it exists);
 2. every rank writes and fsyncs its shard file in it and reports the file's sha256;
 3. rank 0 writes and fsyncs ``manifest.json`` (after validating it as ``load`` will);
 4. rank 0 commits: writes ``.current.json.tmp-<id>``, fsyncs it, ``os.replace``s it onto
    ``current.json`` and fsyncs ``path``. The replace is the commit point;
 5. rank 0 deletes every snapshot the marker records except the new one and the one the pointer
    named before this save (kept until the next save, so a load that resolved the pointer just
-   before this save still finds its files), then rewrites the marker.
+   before this save still finds its files), then rewrites the marker, and releases the lock.
 
 The marker and the pointer are always rewritten the same way (temporary file, fsync, atomic
 replace). A crash before the replace of step 4 (a rank killed mid-write included) leaves the
@@ -30,8 +32,23 @@ snapshot is recorded in the marker and deleted by the next save, as are leftover
 after it leaves the new checkpoint committed; its cleanup is done by the next save. A save
 deletes nothing else: no sibling of ``path``, no file or directory in ``path`` that the marker
 does not record. A symlink at ``path`` stays; the checkpoint is written into its target.
-Concurrent saves to one path are not supported (one writer, any number of readers). ``path``
-must be on a filesystem that every rank sees (a shared filesystem on several nodes).
+``path`` must be on a filesystem that every rank sees (a shared filesystem on several nodes).
+
+**One save at a time.** Rank 0 holds an exclusive ``flock`` on ``path/.fzero-checkpoint.lock``
+from step 1 to the end of step 5. A save that finds it held (another job saving to the same
+path: the orphaned workers of a killed launcher, two runs given one output directory) fails at
+step 1, on every rank, having changed nothing, with the holder's pid and host in the error.
+The kernel drops an flock when its process ends, however it ends (kill -9 included), so a
+crashed save never leaves the path locked; the file itself stays (deleting a lock file races
+with the next locker). So every marker update is made by the one save that holds the lock, and
+every snapshot is recorded before it exists: none is ever left behind unrecorded. Loads take
+no lock (any number of readers, racing saves).
+
+**A lost pointer.** If ``current.json`` is missing or unreadable when a save commits, the save
+cannot tell which snapshot it named; it keeps every recorded snapshot that holds a
+``manifest.json`` (one that never got one was never committed) as this save's previous ones,
+and warns, naming them. ``load`` names them too; :func:`fzero.checkpoint.recover` verifies one
+and points ``current.json`` at it.
 
 ``_hook(point, **info)``: the test hook of ``save``/``load``, called at the protocol points
 (``"snapshot_created"``, ``"shard_written"``, ``"manifest_written"``, ``"pointer_written"``,
@@ -39,11 +56,14 @@ must be on a filesystem that every rank sees (a shared filesystem on several nod
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
+import time
 import uuid
 import warnings
 from typing import Callable
@@ -60,6 +80,7 @@ except ImportError:  # pragma: no cover
 POINTER = "current.json"
 MARKER = "fzero-checkpoint.json"
 MARKER_FORMAT = "fzero-checkpoint-directory"
+LOCK = ".fzero-checkpoint.lock"
 
 _SNAPSHOT = re.compile(r"snapshot-[0-9a-f]{32}")
 _OWN_TMP = re.compile(r"\.(%s|%s)\.tmp-[0-9a-f]{12}" % (re.escape(POINTER), re.escape(MARKER)))
@@ -163,39 +184,112 @@ def _resolve(path: str) -> tuple[str, str]:
     try:
         return _read_pointer(path)
     except FileNotFoundError:
-        pass
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        raise CheckpointError(f"{path} is a checkpoint of format version 1 (a {MANIFEST}, no {POINTER}); "
-                              f"this fzero reads version {VERSION}")
-    if os.path.isfile(os.path.join(path, MARKER)):
-        raise CheckpointError(f"no checkpoint at {path}: no save to it has completed ({POINTER} is missing)")
-    raise CheckpointError(f"no checkpoint at {path}: {os.path.join(path, POINTER)} is missing")
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            raise CheckpointError(f"{path} is a checkpoint of format version 1 (a {MANIFEST}, no {POINTER}); "
+                                  f"this fzero reads version {VERSION}") from None
+        if os.path.isfile(os.path.join(path, MARKER)):
+            problem = f"no checkpoint at {path}: {POINTER} is missing (no save to it has completed, or it was deleted)"
+        else:
+            problem = f"no checkpoint at {path}: {os.path.join(path, POINTER)} is missing"
+    except (OSError, CheckpointError) as e:
+        problem = f"no checkpoint at {path}: {POINTER} is damaged ({e})"
+    complete = _complete_snapshots(path)
+    if not complete:
+        raise CheckpointError(f"{problem}; no snapshot in it has a valid {MANIFEST}")
+    listed = ", ".join(f"{name} ({'no step' if step is None else f'step {step}'})" for name, step in complete)
+    raise CheckpointError(
+        f"{problem}; snapshots with a valid {MANIFEST} in it, oldest first: {listed}. "
+        f"fzero.checkpoint.recover({path!r}) verifies the newest and points {POINTER} at it "
+        f"(recover(path, name) for another one)"
+    )
+
+
+def _complete_snapshots(path: str) -> list[tuple[str, int | None]]:
+    """``(name, step)`` of every snapshot directory in ``path`` whose ``manifest.json`` is
+    valid (its shards are not checked), oldest manifest first."""
+    found = []
+    for name in os.listdir(path):
+        file = os.path.join(path, name, MANIFEST)
+        if not _SNAPSHOT.fullmatch(name):
+            continue
+        try:
+            with open(file, "rb") as f:
+                manifest = _validate_manifest(_parse_json(f.read(), file), file)
+            found.append((os.path.getmtime(file), name, manifest["step"]))
+        except (OSError, CheckpointError):
+            continue
+    return [(name, step) for _, name, step in sorted(found)]
+
+
+# ---------------------------------------------------------------------------------- the save lock
+def _lock(path: str) -> int:
+    """Take the save lock of the checkpoint directory ``path``: an exclusive, non-blocking
+    ``flock`` on ``path/.fzero-checkpoint.lock``; its file descriptor, for :func:`_unlock`.
+    Held: ``CheckpointError`` naming the holder (it writes its pid, host and start time into the
+    file). The kernel releases the lock when the holder's process ends, however it ends."""
+    file = os.path.join(path, LOCK)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        for _ in range(10):  # the holder writes who it is just after taking the lock
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+            if holder:
+                break
+            time.sleep(0.01)
+        os.close(fd)
+        holder = holder or "holder unknown"
+        raise CheckpointError(
+            f"another save to {path} is in progress ({holder}); this save changed nothing: saves to one path "
+            "exclude each other (wait for that one, stop its process, or save elsewhere)"
+        ) from None
+    except OSError as e:
+        os.close(fd)
+        raise CheckpointError(f"cannot lock {file} ({e}): a checkpoint needs a filesystem with flock") from e
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    """Release a lock from :func:`_lock` (explicitly: a forked child sharing the descriptor
+    would otherwise keep it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------- save steps
-def _open_dir(path: str) -> list[str]:
-    """Rank 0: ``path`` as an fzero checkpoint directory (created, or its symlink's target
-    created, if missing); the snapshot names its marker records."""
+def _ours(name: str) -> bool:
+    """A name fzero reserves in a checkpoint directory for its lock and temporary files."""
+    return name == LOCK or bool(_OWN_TMP.fullmatch(name))
+
+
+def _open_dir(path: str) -> None:
+    """Rank 0: check that ``path`` is, or can become, an fzero checkpoint directory (created,
+    or its symlink's target created, if missing), before anything is written in it."""
     if not os.path.exists(path):  # missing, or a symlink to a missing directory
-        os.makedirs(os.path.realpath(path))
+        os.makedirs(os.path.realpath(path), exist_ok=True)  # exist_ok: another first save may race this one
     if not os.path.isdir(path):
         raise CheckpointError(f"refusing to overwrite {path}: it exists and is not a directory")
-    if os.path.isfile(os.path.join(path, MARKER)):
-        return _read_marker(path)
-    if os.listdir(path):
+    if not os.path.isfile(os.path.join(path, MARKER)) and not all(_ours(name) for name in os.listdir(path)):
         raise CheckpointError(f"refusing to overwrite {path}: it exists, is not empty and is not an fzero "
                               f"checkpoint directory of format version {VERSION} (no {MARKER})")
-    return []
 
 
-def _begin(path: str, hook: Callable) -> str:
-    """Rank 0, step 1: a new snapshot name, recorded in the marker, then its directory."""
-    recorded = _open_dir(path)
+def _begin(path: str, held: dict, hook: Callable) -> str:
+    """Rank 0, step 1: the save lock (into ``held["lock"]``), then a new snapshot name
+    (``held["snapshot"]``), recorded in the marker, then its directory."""
+    _open_dir(path)
+    held["lock"] = _lock(path)
+    recorded = _read_marker(path) if os.path.isfile(os.path.join(path, MARKER)) else []
     for name in os.listdir(path):  # temporary files of an interrupted save (names fzero reserves)
         if _OWN_TMP.fullmatch(name):
             os.remove(os.path.join(path, name))
     snapshot = f"snapshot-{uuid.uuid4().hex}"
     _write_marker(path, recorded + [snapshot])
+    held["snapshot"] = snapshot
     os.mkdir(os.path.join(path, snapshot))
     _fsync_dir(path)
     hook("snapshot_created", dir=os.path.join(path, snapshot))
@@ -239,12 +333,31 @@ def _write_manifest(directory: str, manifest: dict, hook: Callable) -> str:
 def _commit(path: str, snapshot: str, digest: str, hook: Callable) -> None:
     """Steps 4 and 5, rank 0: point ``current.json`` at ``snapshot``, then clean up."""
     try:
-        previous = _read_pointer(path)[0]
-    except (OSError, CheckpointError):
-        previous = None  # the first save, or an unreadable pointer (replaced now)
+        keep, lost = {snapshot, _read_pointer(path)[0]}, None
+    except FileNotFoundError:
+        lost = f"{POINTER} is missing (no save to {path} has completed, or it was deleted)"
+    except (OSError, CheckpointError) as e:
+        lost = f"{POINTER} is damaged ({e})"
+    if lost is not None:  # any complete snapshot may be the one it named: keep them all
+        kept = [name for name in _recorded(path) if name != snapshot and os.path.isfile(os.path.join(path, name, MANIFEST))]
+        keep = {snapshot, *kept}
     _write_pointer(path, snapshot, digest, hook)
     hook("committed", snapshot=snapshot)
-    _cleanup(path, keep={snapshot, previous})
+    _cleanup(path, keep)
+    if lost is not None and kept:
+        warnings.warn(
+            f"save {path}: {lost}, so this save cannot tell which snapshot was current: it kept {', '.join(kept)} "
+            f"(each holds a {MANIFEST}) until the next save; fzero.checkpoint.recover({path!r}, name) points "
+            f"{POINTER} back to one"
+        )
+
+
+def _recorded(path: str) -> list[str]:
+    """The marker's snapshots, or none if it cannot be read (then nothing is deleted)."""
+    try:
+        return _read_marker(path)
+    except (OSError, CheckpointError):
+        return []
 
 
 def _cleanup(path: str, keep: set) -> None:

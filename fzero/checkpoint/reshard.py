@@ -22,23 +22,27 @@ from one save. A save that commits during a load keeps the loaded snapshot; a se
 deletes it, and a load still reading it then raises ``CheckpointError`` ("replaced while
 loading"; load again) -- never data of two saves.
 
-**Hyperparameters on load.** The 0-d state leaves named in a state NamedTuple's
+**The optimizer's configuration on load.** The 0-d state leaves named in a state NamedTuple's
 ``HYPERPARAMS`` (``lr``, ``b1``, ``b2``, ``eps``, ``weight_decay``, ``max_norm``, ...; see
-``transforms.iter_hyperparams``) are the engine's own by default, and every one that differs
-from the checkpoint's is reported; ``hyperparams="checkpoint"`` restores the saved ones.
-Everything else (counts, moments, masks, master) always comes from the checkpoint.
+``transforms.iter_hyperparams``) and the per-leaf masks (``MaskedState.mask``: ``adamw``'s and
+``sgd``'s ``weight_decay_mask``, ``masked``) are the engine's own by default, and every one that
+differs from the checkpoint's is reported (a mask leaf by leaf: :func:`_mask_counts`);
+``hyperparams="checkpoint"`` restores the saved ones. Everything else (counts, moments, master)
+always comes from the checkpoint.
 """
 from __future__ import annotations
 
 import bisect
 import hashlib
 import json
+import math
 import os
 from typing import Any, NamedTuple
 
 import torch
 
 from transforms import iter_hyperparams, with_host_value
+from transforms.base import MaskedState, _named_tuples
 
 from ..engine import ZeroState
 from ..flat import Layout, leaf_paths
@@ -143,16 +147,42 @@ def _check_state(manifest: dict, names, leaves, kinds, where: str) -> None:
             raise CheckpointError(f"{where}: this engine's state leaf {name!r} is not in the checkpoint (a different transform?)")
 
 
+def _check_shard(file: str, entry: dict, *, sha256: bool) -> None:
+    """The shard file has the size (and, with ``sha256``, the checksum) its manifest entry
+    records; ``FileNotFoundError`` if it is missing (the caller says why it may be)."""
+    size = os.path.getsize(file)
+    if size != entry["bytes"]:
+        raise CheckpointError(f"shard file {file} has {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+    if sha256:
+        sha, _ = _sha256(file)
+        if sha != entry["sha256"]:
+            raise CheckpointError(f"shard file {file} is corrupted: sha256 {sha} but the manifest says {entry['sha256']}")
+
+
 def _check_files(manifest: dict, path: str, snapshot: str) -> None:
     """Every listed file exists with its recorded size (their ranges were validated)."""
     for entry in manifest["files"]:
         file = os.path.join(path, snapshot, entry["file"])
         try:
-            size = os.path.getsize(file)
+            _check_shard(file, entry, sha256=False)
         except FileNotFoundError:
             raise _vanished(path, snapshot, file, "shard file") from None
-        if size != entry["bytes"]:
-            raise CheckpointError(f"shard file {file} has {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
+
+
+def _verify_snapshot(path: str, snapshot: str) -> str:
+    """The snapshot in full, without a pointer (``recover``): its manifest is valid and every
+    shard file has its recorded size and sha256. Returns the manifest's sha256."""
+    file = os.path.join(path, snapshot, MANIFEST)
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+        manifest = _validate_manifest(_parse_json(data, file), file)
+        for entry in manifest["files"]:
+            shard = os.path.join(path, snapshot, entry["file"])
+            _check_shard(shard, entry, sha256=True)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{e.filename} is missing") from None
+    return hashlib.sha256(data).hexdigest()
 
 
 def _open_snapshot(path: str, snapshot: str, digest: str, engine, layout: Layout) -> tuple[dict, _Template]:
@@ -217,11 +247,9 @@ def _check_sums(path: str, snapshot: str, files: list, new_segments: list, rank:
             continue
         file = os.path.join(path, snapshot, entry["file"])
         try:
-            sha, _ = _sha256(file)
+            _check_shard(file, entry, sha256=True)
         except FileNotFoundError:
             raise _vanished(path, snapshot, file, "shard file") from None
-        if sha != entry["sha256"]:
-            raise CheckpointError(f"shard file {file} is corrupted: sha256 {sha} but the manifest says {entry['sha256']}")
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -242,15 +270,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return x == y or (x != x and y != y)  # nan == nan here
 
 
-def _first_leaves(manifest: dict, t: _Template, hyperparams: str) -> tuple[list, list]:
+def _first_leaves(manifest: dict, t: _Template, hyperparams: str) -> tuple[list, list, dict]:
     """The 0-d leaves (hyperparameters from the engine or the checkpoint, the rest from the
     checkpoint) and zeroed ``[S]`` buffers to read into; ``[(name, saved, engine)]`` for every
-    hyperparameter whose values differ."""
+    hyperparameter whose values differ; ``{index: the engine's mask}`` for each mask leaf."""
     saved = {e["name"]: e for e in manifest["state"]}
     hyper = {id(leaf) for _, leaf in iter_hyperparams(t.state)}
-    out, differ, seen = [], [], set()
-    for name, leaf, kind in zip(t.names, t.leaves, t.kinds):
+    masks = {id(node.mask) for node in _named_tuples(t.state) if isinstance(node, MaskedState)}
+    out, differ, engine_masks, seen = [], [], {}, set()
+    for i, (name, leaf, kind) in enumerate(zip(t.names, t.leaves, t.kinds)):
         if kind == "shard":  # fill the template's own buffers (no second copy of the state), padding zero
+            if id(leaf) in masks:
+                engine_masks[i] = leaf.detach().clone()
             if leaf.untyped_storage().data_ptr() in seen:
                 leaf = torch.empty_like(leaf)
             seen.add(leaf.untyped_storage().data_ptr())
@@ -264,7 +295,43 @@ def _first_leaves(manifest: dict, t: _Template, hyperparams: str) -> tuple[list,
             if hyperparams == "engine":
                 value = leaf
         out.append(value)
-    return out, differ
+    return out, differ, engine_masks
+
+
+def _mask_counts(t: _Template, out: list, engine_masks: dict, owned, layout: Layout) -> dict:
+    """For each mask leaf and each params leaf, over this rank's real elements: ``[True in the
+    checkpoint's, True in the engine's, elements where they differ, elements]``, keyed by
+    ``(state leaf name, params leaf path)`` (summed over ranks, it says which leaves differ)."""
+    starts, sizes = layout.global_offsets, [math.prod(s) for s in layout.shapes]
+    counts = {}
+    for i, mine in engine_masks.items():
+        for g0, g1, pos in owned:
+            k = bisect.bisect_right(starts, g0) - 1  # the leaf holding global element g0
+            while g0 < g1:
+                end = min(g1, starts[k] + sizes[k])
+                a, b = out[i][pos : pos + end - g0], mine[pos : pos + end - g0]
+                c = counts.setdefault((t.names[i], layout.paths[k]), [0, 0, 0, 0])
+                for j, n in enumerate((int(a.sum()), int(b.sum()), int((a != b).sum()), end - g0)):
+                    c[j] += n
+                pos, g0, k = pos + end - g0, end, k + 1
+    return counts
+
+
+def _mask_differences(counts_by_rank: list) -> list[str]:
+    """One item per (mask, params leaf) that differs, from every rank's ``_mask_counts``."""
+    total = {}
+    for counts in counts_by_rank:
+        for key, c in counts.items():
+            total[key] = [x + y for x, y in zip(total.get(key, [0, 0, 0, 0]), c)]
+    items = []
+    for (name, leaf), (saved, mine, differ, n) in total.items():
+        if not differ:
+            continue
+        if saved in (0, n) and mine in (0, n):
+            items.append(f"{name}[{leaf}]: checkpoint {saved == n}, engine {mine == n}")
+        else:
+            items.append(f"{name}[{leaf}]: checkpoint True on {saved} of {n} elements, engine on {mine}")
+    return items
 
 
 def _read_file(path: str, snapshot: str, entry: dict, pieces: list, t: _Template, out: list) -> None:
@@ -299,10 +366,16 @@ def _read_file(path: str, snapshot: str, entry: dict, pieces: list, t: _Template
 
 def _read_state(path, snapshot, manifest, t: _Template, owned, engine, hyperparams) -> tuple:
     """Every rank: its leaves of the state (``owned``: its ``Layout.owned`` ranges), the
-    loss-scale state, the differing hyperparameters."""
-    out, differ = _first_leaves(manifest, t, hyperparams)
+    loss-scale state, the differing hyperparameters, its ``_mask_counts`` (``None`` with
+    ``hyperparams="checkpoint"`` or no masks)."""
+    out, differ, engine_masks = _first_leaves(manifest, t, hyperparams)
     for entry in manifest["files"]:
         pieces = _overlaps(entry["segments"], owned)
         if pieces:
             _read_file(path, snapshot, entry, pieces, t, out)
-    return out, _restore_scaler(manifest["loss_scale"], t.scaler, engine), differ
+    counts = None  # the same on every rank: whether they all take part in gathering the counts
+    if hyperparams == "engine" and engine_masks:
+        counts = _mask_counts(t, out, engine_masks, owned, engine.layout)
+        for i, mine in engine_masks.items():
+            out[i].copy_(mine)
+    return out, _restore_scaler(manifest["loss_scale"], t.scaler, engine), differ, counts
