@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["round_bf16", "split", "join"]
+__all__ = ["round_bf16", "split", "join", "MAX_JOINED"]
 
 _HALF = 0x8000
 _HIGH = -0x10000  # int32 0xFFFF0000: the 16 bits a BF16 number keeps
 _SHIFT = 0x10000  # * 2**16: 16 bits up (int32 arithmetic wraps as a shift does)
+MAX_JOINED = torch.tensor(0x7F7F7FFF, dtype=torch.int32).view(torch.float32).item()  # BF16 max's last FP32
 
 # No shifts here: inductor's CPU code generator has no vector form of ``>>``/``<<`` (nor of
 # int16 values), and one such op turns the whole fused AdamW kernel it is part of into a scalar
@@ -51,8 +52,13 @@ def _high(param: torch.Tensor) -> torch.Tensor:
 
 
 def split(master: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The int16 remainder of FP32 ``master`` below ``param``, its BF16 rounding (``[S]`` each)."""
-    return (master.view(torch.int32) - _high(param)).to(torch.int16)
+    """The int16 remainder of FP32 ``master`` below ``param``, its BF16 rounding (``[S]`` each).
+
+    Beyond BF16's range (``|master| > MAX_JOINED``) the params saturate at BF16's largest finite
+    value and the remainder at its largest, so the master comes back as ``+-MAX_JOINED``
+    (3.3961e38), the largest FP32 value that rounds to that param; without the clamp the
+    int16 would wrap (3.40e38 came back as 3.3867e38). An FP32 master keeps such values."""
+    return (master.view(torch.int32) - _high(param)).clamp(-_HALF, _HALF - 1).to(torch.int16)
 
 
 def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:

@@ -135,3 +135,27 @@ def test_importing_fzero_after_init_process_group_is_named_as_the_cause():
     assert out.returncode == 0, out.stderr
     assert "fzero was imported after init_process_group" in out.stdout
     assert "import fzero before init_process_group" in out.stdout
+
+
+def save_on_rank_0_only(rank, world_size, path):
+    """``checkpoint.save`` under ``if rank == 0:``; rank 1 goes on to the next step (its
+    reduce-scatter waits for rank 0). Before: both sat for the group's timeout."""
+    t0 = time.monotonic()
+    eng = engine(call_timeout=SHORT)
+    p, state, ss = eng.init(params())
+    try:
+        if rank == 0:
+            fzero.checkpoint.save(path, p, state, ss, eng)
+        eng.step(p, {"w": torch.ones(40, 3), "b": torch.ones(3)}, state, ss)
+    except (fzero.CollectiveError, fzero.checkpoint.CheckpointError) as err:
+        return str(err), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def test_save_on_one_rank_only_ends_both_ranks_naming_the_call(tmp_path):
+    results = run_ranks(save_on_rank_0_only, 2, str(tmp_path / "ck"), may_die=(0, 1))
+    (msg0, t0), (msg1, t1) = results
+    assert msg0.startswith("fzero: checkpoint.save is a collective call and rank 1 did not reach it within 3 s")
+    assert "reduce_scatter of grads" in msg1  # rank 0 gave up and left: rank 1's collective ends too
+    assert t0 < SHORT + 10 and t1 < SHORT + 20
+    assert not (tmp_path / "ck").exists()  # nothing written

@@ -1149,6 +1149,34 @@ def test_save_accepts_the_flat_buffer_that_step_accepts(tmp_path, master):
     assert not os.path.exists(tmp_path / "fp32")
 
 
+@pytest.mark.parametrize("master", ["fp32", "remainder"])
+def test_save_refuses_params_of_another_step_or_edited_and_writes_nothing(tmp_path, master):
+    """With the remainder master the saved FP32 master is rebuilt from the params: init's params
+    with the state of five steps later wrote a master 0.049 off. Params written in place since
+    the step would be lost (FP32 master) or mixed in (remainder): both modes refuse."""
+    engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=torch.bfloat16, master=master)
+    params0, state, ss = engine.init(model_params())
+    params = params0
+    for i in range(5):
+        grads = optree.tree_map(lambda g: g.to(torch.bfloat16), grads_like(model_params(), i))
+        params, state, ss, _ = engine.step(params, grads, state, ss)
+    path = str(tmp_path / "ck")
+    ck.save(path, params, state, ss, engine)
+    before = sorted(os.listdir(path))
+    if master == "remainder":
+        with pytest.raises(ck.CheckpointError, match="checkpoint.save: these params were not written together with this state"):
+            ck.save(path, params0, state, ss, engine)
+    else:  # the FP32 master does not read them
+        ck.save(str(tmp_path / "other"), params0, state, ss, engine)
+    with torch.no_grad():
+        params["w"].zero_()
+    with pytest.raises(ck.CheckpointError, match="checkpoint.save: the params were written in place"):
+        ck.save(path, params, state, ss, engine)
+    assert sorted(os.listdir(path)) == before  # nothing written, the checkpoint as it was
+    _, loaded, _, _ = ck.load(path, engine)
+    assert torch.equal(loaded.master, state.master)
+
+
 # ------------------------------------------------------------------------ two ranks: a locked path, different paths, masks
 def mask_without_w(p):
     """Like ``make_engine``'s mask, but ``w`` does not decay and ``z`` only in its first 5 rows."""

@@ -42,6 +42,19 @@ def test_split_and_join_are_exact_and_the_rounding_is_nearest_ties_away():
     assert out[0].isnan() and out[1] == float("inf") and out[2] == -float("inf")
 
 
+def test_a_master_beyond_bf16s_range_saturates_instead_of_wrapping():
+    """Near FP32's largest values the params saturate at BF16's largest finite value; the int16
+    remainder used to wrap (3.40e38 came back as 3.3867e38, below values that are smaller)."""
+    big = torch.tensor([3.40e38, -3.40e38, torch.finfo(torch.float32).max, 3.3962e38, 3.3960e38])
+    p = fzero.engine.cast_params(big, torch.bfloat16)
+    back = join(p, split(big, p))
+    assert torch.equal(back[:4].abs(), torch.full((4,), fzero.remainder.MAX_JOINED))
+    assert torch.equal(back[1:2], -back[0:1]) and back[4] == big[4]  # within range: exact as before
+    engine = fzero.zero1(tx(), param_dtype=torch.bfloat16, master="remainder")
+    params, state, _ = engine.init({"w": big.clone()})
+    assert torch.equal(engine.with_fp32_master(params, state).master[:5], back)
+
+
 def test_cast_params_rounds_bf16_the_same_way():
     m = fp32_patterns(10_000)
     assert torch.equal(fzero.engine.cast_params(m, torch.bfloat16).view(torch.int16), round_bf16(m).view(torch.int16))

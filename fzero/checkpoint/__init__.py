@@ -63,6 +63,7 @@ from typing import Any, Callable
 import optree
 import torch
 
+from .. import lineage
 from ..engine import Engine, ZeroState, cast_params
 from ..flat import Layout, leaf_paths, unflatten
 from ..scaler import LossScaleState
@@ -133,7 +134,8 @@ def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tupl
         raise CheckpointError(f"scaler_state must be the LossScaleState from engine.init/step, got {type(scaler_state).__name__}")
     # the one place the params are used (checked as step checks them); master="remainder":
     # the FP32 master joined from this rank's shard of them and the remainder
-    names, leaves, _ = leaf_paths(engine.with_fp32_master(params, state))
+    # (params edited since the step, or of another step with the remainder, raise here)
+    names, leaves, _ = leaf_paths(engine.with_fp32_master(params, state, where="checkpoint.save"))
     kinds = manifest._classify(names, leaves, engine.layout.shard_numel)
     return names, leaves, kinds, manifest._extra_json(extra)
 
@@ -161,6 +163,7 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     any, must be an integer >= 0 and becomes the manifest's ``step``.
     """
     layout, comm = _ready(engine)
+    comm.arrive("checkpoint.save", timeout=engine.call_timeout)
     path = os.path.abspath(os.fspath(path))
     rank, n, what = comm.rank, comm.world_size, f"save {path}"
     # With replicas (a hybrid mesh) the first replica's shard ranks write; the others only agree.
@@ -233,6 +236,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
         raise ValueError(f"hyperparams must be one of {HYPERPARAMS_FROM}, got {hyperparams!r}")
     _need_safetensors()
     layout, comm = _ready(engine)
+    comm.arrive("checkpoint.load", timeout=engine.call_timeout)
     path = os.path.abspath(os.fspath(path))
     rank, what = comm.rank, f"load {path}"
     given = _agree(comm, what, lambda: (path, commit._resolve(path) if rank == 0 else None), gather=True)
@@ -258,7 +262,9 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     with torch.no_grad():
         shard = cast_params(state.master, engine.param_dtype, copy=True).to(engine.device)
         params = unflatten(comm.all_gather(shard, layout), layout)
-    return params, engine._stored(state, shard), scaler, m["extra"]  # master="remainder": split it
+    state = engine._stored(state, shard)  # master="remainder": split it
+    lineage.mark(params, state.master)
+    return params, state, scaler, m["extra"]
 
 
 def _same_checkpoint(path: str, paths: list[str], snapshot: str, comm, what: str) -> None:
@@ -351,6 +357,7 @@ def export_full(path, params_or_state, engine: Engine) -> None:
     """
     _need_safetensors()
     layout, comm = _ready(engine)
+    comm.arrive("checkpoint.export_full", timeout=engine.call_timeout)
     path = os.path.abspath(os.fspath(path))
     if isinstance(params_or_state, ZeroState):
         master = params_or_state.master
