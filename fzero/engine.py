@@ -243,7 +243,9 @@ class Engine:
         0-d tensors: ``found_inf`` (bool, agreed by all ranks), ``loss_scale`` (used this
         step), ``grad_norm`` (global L2 norm of the unscaled mean grads, before clipping) and
         ``scale_stuck`` (bool: overflows persist at the minimum scale, see ``fzero.scaler``;
-        ``fzero.nonfinite_leaves(grads)`` then names the culprits, off the hot path).
+        ``fzero.nonfinite_leaves(grads)`` then names the culprits, off the hot path), and the
+        transform's ``hyperparams`` at this step (``lr``: the learning rate it applied, or would
+        have; a non-finite one skips the update, the loss scale unchanged).
         """
         b = self._ready()
         path, comm, layout = b.grads, b.grads.comm, b.grads.layout
@@ -270,6 +272,12 @@ class Engine:
         sumsq = comm.all_reduce_sum(sum_of_squares(shard, dtype=acc) / grad_scale.double().square())
         found_inf = ~torch.isfinite(sumsq)
         norm = torch.sqrt(sumsq)
+        # A transform's values at this step that are not stored (a schedule's lr): the same on
+        # every rank; a non-finite one skips the update like an overflow (the loss scale stays).
+        rates = self.tx.hyperparams(state.tx_state) if self.tx.hyperparams else {}
+        skip = found_inf
+        for v in rates.values():
+            skip = skip | ~torch.isfinite(v)
 
         # 3. Mean over ranks and micro-batches, unscaled: fused, the kernel divides by grad_scale
         #    inside its own pass (see fzero.update); else one FP32 multiply.
@@ -280,7 +288,7 @@ class Engine:
         #      With donate at world size 1 the cast goes straight into the params' own buffer.
         out = self._own_buffer(params, flat_in) if fused and self.donate and comm.world_size == 1 else None
         g = g if fused else g.to(b.state_device)
-        skip, norm_there = found_inf.to(b.state_device), norm.to(b.state_device)
+        skip, norm_there = skip.to(b.state_device), norm.to(b.state_device)
         master, tx_state, shard = update_shard(
             self.tx, g, state.master, state.tx_state, skip, norm_there, param_dtype=self.param_dtype,
             grad_scale=grad_scale.to(b.state_device) if fused else None, chunk_numel=self.chunk_numel,
@@ -302,7 +310,7 @@ class Engine:
 
         scaler_state = self.loss_scale.update(scaler_state, found_inf)
         info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": norm.float(),
-                "scale_stuck": self.loss_scale.stuck(scaler_state)}
+                "scale_stuck": self.loss_scale.stuck(scaler_state), **rates}
         new_state = self._stored(ZeroState(master, tx_state), shard)  # master="remainder": split again
         if self.donate:  # write into the inputs' buffers: no allocation of state
             new_state = lineage.hand_over(write_into(given, new_state))

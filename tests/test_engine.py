@@ -564,3 +564,28 @@ def test_fused_step_at_world_size_one_reads_the_grad_leaves_and_writes_the_param
         params2, state2, ss2, info2 = engine.step(params2, fzero.flatten(grads, engine.layout), state2, ss2)
     assert torch.equal(params2, engine.flat_params(params)) and tree_equal(state2, state)
     assert torch.equal(info2["grad_norm"], info["grad_norm"])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "generic"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_scheduled_lr_skips_the_step_and_info_shows_the_lr(fused, bad):
+    """A schedule that returns NaN/inf made the master NaN. Now the step is skipped like an
+    overflow (master, moments and counts keep their bits), the loss scale is not touched, and
+    ``info["lr"]`` is the value the schedule gave."""
+    schedule = lambda count: torch.where(torch.as_tensor(count) == 2, bad, 1e-2 * (torch.as_tensor(count) + 1.0))
+    tx = transforms.adamw(lr=schedule, weight_decay=0.1)
+    tx = tx if fused else tx._replace(fused=None)
+    engine = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=fzero.StaticLossScale(4.0))
+    p0 = odd_params()
+    params, state, ss = engine.init(p0)
+    grads = optree.tree_map(lambda g: (4 * g).half(), grads_like(p0, 0))
+    lrs = []
+    for i in range(4):
+        before = (state, ss)
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        lrs.append(float(info["lr"]))
+        assert not info["found_inf"] and torch.equal(ss.scale, before[1].scale)
+        if i == 2:  # the count stays at 2 (the schedule's bad value), so every later step skips too
+            assert tree_equal(state, before[0])
+        assert torch.isfinite(state.master).all()
+    assert lrs[:2] == [pytest.approx(1e-2), pytest.approx(2e-2)] and all(x != x or x == bad for x in lrs[2:])

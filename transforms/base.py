@@ -69,11 +69,17 @@ class GradientTransformation(NamedTuple):
     (0-d FP32): the kernel divides the grads by it; ``found_inf`` (0-d bool) makes the step a
     no-op, as in ``update`` + a select. A transform whose kernel updates the params marks its
     function ``updates_params = True``; ``chain`` composes fused forms when only its last member
-    does (the others rescale ``grad_scale``)."""
+    does (the others rescale ``grad_scale``).
+
+    ``hyperparams`` (optional): ``state -> {name: 0-d tensor}``, the values the next update
+    applies that are not stored as such, e.g. a schedule's learning rate at the state's count
+    (``{"lr": schedule(count)}``); ``chain`` and ``masked`` pass their members' on. A caller
+    may check them (fzero's engine skips a step whose values are not finite) or report them."""
 
     init: Callable[..., Any]
     update: Callable[..., tuple[Any, Any]]
     fused: Callable[..., Any] | None = None
+    hyperparams: Callable[[Any], dict] | None = None
 
 
 class ShardContext(NamedTuple):
@@ -144,13 +150,17 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         last = kernel and (lambda params, grads, s: kernel(params, grads, s[at]))
         return FusedStep(last, tuple(new_state), grad_scale)
 
+    def hyperparams(state):
+        return {k: v for tx, s in zip(txs, state) if tx.hyperparams for k, v in tx.hyperparams(s).items()}
+
+    hyper = hyperparams if any(tx.hyperparams for tx in txs) else None
     # A member that updates the params must be the last one: a member after it would transform
     # updates that its kernel never produces.
     every_fused = bool(txs) and all(tx.fused is not None for tx in txs)
     if every_fused and not any(updates_params(tx.fused) for tx in txs[:-1]):
         fused.updates_params = updates_params(txs[-1].fused)
-        return GradientTransformation(init, update, fused)
-    return GradientTransformation(init, update)
+        return GradientTransformation(init, update, fused, hyper)
+    return GradientTransformation(init, update, None, hyper)
 
 
 def updates_params(fused) -> bool:
@@ -194,7 +204,8 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
             chosen = optree.tree_map(pick, state.mask, new, updates)
         return chosen, MaskedState(inner_state, state.mask)
 
-    return GradientTransformation(init, update)
+    hyperparams = inner.hyperparams and (lambda state: inner.hyperparams(state.inner))
+    return GradientTransformation(init, update, None, hyperparams)
 
 
 def _finite_at_least_0(v: float) -> bool:

@@ -54,7 +54,9 @@ def next_learning_rate_state(lr, state, count: Callable[[torch.Tensor], torch.Te
 def scale_by_learning_rate(lr) -> GradientTransformation:
     """``u -> -lr * u``. ``lr``: a float (kept as a tensor in the state) or a schedule
     ``count -> lr`` (called with the 0-d int32 count of applied updates, before this one). A float
-    ``lr`` must be finite and >= 0, else ``ValueError``; a schedule's values are not checked."""
+    ``lr`` must be finite and >= 0, else ``ValueError``; a schedule's values are not checked here
+    (they cannot be, before the step), but its ``hyperparams`` give ``{"lr": ...}`` at each step,
+    and fzero's engine skips a step whose learning rate is not finite."""
     if callable(lr):
         schedule = lr
 
@@ -65,7 +67,7 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
             rate = scalar(learning_rate(schedule, state))
             return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), ScaleByScheduleState(state.count + 1)
 
-        return GradientTransformation(init, update)
+        return GradientTransformation(init, update, None, lambda state: {"lr": learning_rate(schedule, state)})
 
     check_hyperparam("scale_by_learning_rate", "lr", lr)
 
@@ -76,7 +78,7 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
         rate = scalar(state.lr)
         return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, None, lambda state: {"lr": state.lr})
 
 
 def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTransformation:
