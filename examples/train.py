@@ -188,11 +188,7 @@ def load_data(args):
     T = args.block_size or GPT_CONFIGS[args.config]().block_size
     if not args.data:
         return CharCorpus.from_stdlib(T)
-    if not os.path.isfile(args.data):
-        raise UsageError(f"--data {args.data}: {'is a directory' if os.path.isdir(args.data) else 'no such file'}")
-    if os.path.getsize(args.data) == 0:
-        raise UsageError(f"--data {args.data}: the file is empty")
-    try:
+    try:  # ValueError: not a regular file, empty, too short for one block
         return CharCorpus.from_file(args.data, T)
     except (OSError, ValueError) as e:
         raise UsageError(f"--data {args.data}: {e}") from None

@@ -218,6 +218,9 @@ def test_master_remainder_trains_the_main_job_bit_for_bit(tmp_path):
 BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--data", "/nonexistent"], 1, "--data /nonexistent: no such file"),
     (["--data", "{empty}"], 1, "empty.txt: the file is empty"),
+    (["--data", "/dev/zero"], 1, "--data /dev/zero: not a regular file but a character device; give a text file"),
+    (["--data", "{fifo}"], 1, "fifo: not a regular file but a FIFO (named pipe); give a text file"),
+    (["--data", "{tmp}"], 1, "--data {tmp}: is a directory"),
     (["--data", "{short}", "--block-size", "32"], 1, "--block-size 32 needs more"),
     (["--resume", "/nonexistent"], 1, "--resume /nonexistent: not a checkpoint"),
     (["--model", "mlp", "--mlp-dims", "64,abc"], 1, "--mlp-dims '64,abc' must be two or more positive integers, e.g. --mlp-dims 64,256,256,64"),
@@ -249,7 +252,9 @@ def test_a_bad_flag_stops_the_run_before_any_work_with_one_line(flags, ranks, me
     only; the other ranks say nothing."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("def f(x):\n    return x\n" * 3)
-    flags = [f.format(empty=tmp_path / "empty.txt", short=tmp_path / "short.txt") for f in flags]
+    os.mkfifo(tmp_path / "fifo")
+    paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "fifo": tmp_path / "fifo", "tmp": tmp_path}
+    flags, message = [f.format(**paths) for f in flags], message.format(**paths)
     train_py = load_train_module(monkeypatch)
     monkeypatch.setattr(train_py, "init_distributed", lambda *a: pytest.fail("joined a group before checking"))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not a torchrun worker
