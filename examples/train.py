@@ -30,7 +30,12 @@ differs from the checkpoint's takes effect (a longer run, another learning rate,
 other batches from there on), except the model's -- --model, --config, --block-size, --mlp-dims,
 --dtype -- and a --grad-clip that turns clipping on or off: those are flag errors. One line names
 the flags taken from the checkpoint (where they differ from the defaults) and the given ones that
-differ from it; the config record holds both under "resumed".
+differ from it; the config record holds both under "resumed". Resumed into the directory that
+holds the checkpoint (--out <run>, --resume <run>/ckpt/step-N), the run continues that directory's
+metrics.jsonl: it keeps the records up to step N, drops the later ones (the steps it replaces),
+appends a config record and its own, and loss.png plots the whole run. Into another directory the
+log starts afresh. Either way skipped_total goes on from the checkpoint's count (the summary's
+skipped_steps and steps count this process's steps).
 
 Progress: a tqdm bar on a terminal; without one (a file, a pipe, a terminal with no size) one
 line per log step. A bad flag stops the run before any work with one line naming it and a valid
@@ -439,9 +444,9 @@ class LogWindow:
 
     INFO_KEYS = ("found_inf", "loss_scale", "grad_norm", "scale_stuck", "lr")
 
-    def __init__(self, tokens_per_step: int, state_bytes: int):
+    def __init__(self, tokens_per_step: int, state_bytes: int, skipped: int = 0):
         self.tokens_per_step, self.state_bytes = tokens_per_step, state_bytes
-        self.skipped = 0  # over the whole run
+        self.skipped = skipped  # over the whole run: a resumed run starts from the checkpoint's count
         self.steps, self.losses, self.infos = [], [], []
         self.restart_clock()
 
@@ -517,6 +522,36 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def open_metrics(out: str, resume: str | None, step: int):
+    """``(file, earlier step records)``: ``<out>/metrics.jsonl`` opened for this run's records.
+
+    A run resumed from a checkpoint inside ``out`` (its own ``<out>/ckpt/step-N``) continues the
+    file: it keeps the lines up to the record of the resumed ``step`` -- the summary of a run
+    that ended there too -- and drops the rest (the steps this run replaces, and the config and
+    summary records of the run that took them); the kept step records come back for the plot.
+    Any other run starts the file afresh."""
+    path = os.path.join(out, "metrics.jsonl")
+    inside = resume and os.path.commonpath([os.path.realpath(resume), os.path.realpath(out)]) == os.path.realpath(out)
+    if not (inside and os.path.isfile(path)):
+        return open(path, "w"), []
+    earlier, read, keep = [], 0, 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a crash: neither it nor what follows is kept
+                break
+            if not (isinstance(record, dict) and line.endswith(b"\n")) or record.get("step", 0) > step:
+                break
+            read += len(line)
+            if "step" in record:
+                earlier.append(record)
+            if "config" not in record:  # a config record is kept only with a step after it: it starts a run
+                keep = read
+    os.truncate(path, keep)
+    return open(path, "a"), earlier
 
 
 def sized_terminal() -> bool:
@@ -611,16 +646,8 @@ def main(argv=None):
         kept = "int16 master remainder" if args.keep_master == "remainder" else "FP32 master"
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 moments + the decay mask, 1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
-    log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
-    if log:  # the first record: the run's settings, to read a log without its command line
-        config = {"args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
-                  "world_size": world, "device": str(device), "torch": torch.__version__, "fzero": fzero_version(),
-                  "param_count": n_params, "opt_state_bytes_per_rank": state_bytes}
-        if resume:
-            config["resumed"] = resume
-        log.write(json.dumps({"config": config}) + "\n")
 
-    first_step, resumed = 1, None
+    first_step, resumed, extra = 1, None, {}
     if args.resume:  # same model and optimizer, any world size; batches are seeded by step
         # The hyperparameters of this command line (--weight-decay, --grad-clip) take effect;
         # load warns about each one that differs from the checkpoint's.
@@ -631,10 +658,20 @@ def main(argv=None):
         if rank == 0:
             print(f"resumed from {args.resume} at step {extra['step']} with hyperparameters {json.dumps(hyperparams)}")
 
+    # Opened once the checkpoint has loaded: a resume that fails leaves the run's log as it was.
+    log, earlier = open_metrics(out, args.resume, first_step - 1) if rank == 0 else (None, [])
+    if log:  # the run's settings (after a resume, from the resumed step on), to read a log without its command line
+        config = {"args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+                  "world_size": world, "device": str(device), "torch": torch.__version__, "fzero": fzero_version(),
+                  "param_count": n_params, "opt_state_bytes_per_rank": state_bytes}
+        if resume:
+            config["resumed"] = resume
+        log.write(json.dumps({"config": config}) + "\n")
+
     train_step = make_train_step(engine, loss_fn, compile=args.compile)
     lr_fn = lr_schedule(args)
-    records, window, warned_stuck, saved = [], LogWindow(tokens_per_step, state_bytes), False, []
-    flags = training_flags(args)
+    window = LogWindow(tokens_per_step, state_bytes, skipped=extra.get("skipped_total", 0))  # over the whole run
+    records, warned_stuck, saved, flags = [], False, [], training_flags(args)
     profiler = make_profiler(args.profile, rank) if args.profile else contextlib.nullcontext()
     progress = Progress(rank == 0, first_step, args.steps)
     start = time.perf_counter()
@@ -668,7 +705,7 @@ def main(argv=None):
                 if save_now:
                     path, t0 = os.path.join(out, "ckpt", f"step-{step}"), time.perf_counter()
                     fzero.checkpoint.save(path, params, state, scaler_state, engine,  # extra: what --resume reads
-                                          extra={"step": step, "flags": flags})
+                                          extra={"step": step, "skipped_total": window.skipped, "flags": flags})
                     saved.append(path)
                     progress.write(f"saved checkpoint {path} ({dir_bytes(path) / 2**20:.2f} MiB, "
                                    f"{time.perf_counter() - t0:.2f} s)")
@@ -687,7 +724,7 @@ def main(argv=None):
     if rank == 0:
         log.write(json.dumps({"summary": summary}) + "\n")
         log.close()
-        plot_path = plot(records, os.path.join(out, "loss.png"), title=f"{name}, {args.dtype}, {world} rank(s)")
+        plot_path = plot(earlier + records, os.path.join(out, "loss.png"), title=f"{name}, {args.dtype}, {world} rank(s)")
         print_summary(summary, log.name, plot_path, args.profile)
     fzero.shutdown()  # every rank leaves together and the process group's threads end here
 
@@ -735,7 +772,7 @@ def summarize(records, args, world, n_params, state_bytes, tokens_per_step, tota
         "final_loss": records[-1]["loss"],
         "final_val_loss": val[-1] if val else None,
         "best_val_loss": min(val) if val else None,
-        "skipped_steps": records[-1]["skipped_total"],
+        "skipped_steps": sum(r["found_inf"] for r in records),
         "total_time_s": total_time,
         "mean_tokens_per_s": len(records) * tokens_per_step / total_time,
         "world_size": world,

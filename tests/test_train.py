@@ -1,6 +1,6 @@
 """End-to-end tests of examples/train.py, run as users run it (subprocesses; torchrun for ranks).
 
-Small models and batches so the whole file takes about three minutes on 2 CPU cores, 45 s of it
+Small models and batches so the whole file takes about four minutes on 2 CPU cores, 45 s of it
 the test marked slow. Most runs are eager (``--no-compile``): compiling the step
 costs 5-20 s a process, so only the tests about the compiled main job pay for it.
 """
@@ -13,6 +13,7 @@ import math
 import pty
 import select
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -306,14 +307,18 @@ def test_a_rank_that_rank_0_did_not_stop_reports_the_bad_flag_itself(tmp_path, m
         "train.py: error (rank 1): --batch-size 7 must be divisible by the number of ranks (2): --batch-size 6 or 8\n")
 
 
+def train_after(script: Path, prelude: str) -> Path:
+    """Write ``script``: ``prelude``, then train.py as ``python train.py`` runs it (to pass to ``train``)."""
+    script.write_text(f"{prelude}\nimport runpy, sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nsys.argv[0] = {str(TRAIN)!r}\n"
+                      f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n")
+    return script
+
+
 # train.py with rank 0 held back, so that rank 1 finds the bad flag first.
 LAGGING_RANK_0 = """
-import os, runpy, sys, time
+import os, time
 if os.environ["RANK"] == "0":
     time.sleep({lag})
-sys.path.insert(0, {examples!r})
-sys.argv[0] = {train!r}
-runpy.run_path({train!r}, run_name="__main__")
 """
 
 
@@ -322,8 +327,7 @@ def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(rank_0_lag_s, tmp_pat
     """Under torchrun the one line comes from rank 0, also when another rank finds the bad flag
     first (torchrun stops every worker once one has failed, so that rank waits to be stopped).
     ``make train`` checks the flags with ``--check-args`` before it starts torchrun."""
-    script = tmp_path / "lagging_rank_0.py"
-    script.write_text(LAGGING_RANK_0.format(lag=rank_0_lag_s, examples=str(EXAMPLES), train=str(TRAIN)))
+    script = train_after(tmp_path / "lagging_rank_0.py", LAGGING_RANK_0.format(lag=rank_0_lag_s))
     t0 = time.perf_counter()
     _, _, proc = train(tmp_path / "bad", *SMALL_GPT, "--batch-size", "7", "--steps", "1", nproc=2, check=False,
                        script=script)
@@ -476,6 +480,49 @@ def legacy_checkpoint(tmp_path_factory) -> Path:
     engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.bfloat16, master="remainder")
     fzero.checkpoint.save(path, *engine.init(params), engine, extra={"step": 6, "seed": 3})
     return path
+
+
+def test_resume_into_its_own_run_directory_continues_its_metrics_and_plot(saved_run, tmp_path):
+    """Resumed from step 6 into the run's own directory: metrics.jsonl keeps the records up to
+    step 6 as they were, drops the later ones (the steps being replaced), and goes on after a
+    config record that says so; loss.png plots the whole run, the same picture as the straight run."""
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    ckpt = out / "ckpt" / "step-6"
+    before = (out / "metrics.jsonl").read_text().splitlines()
+    straight_png = (out / "loss.png").read_bytes() if importlib.util.find_spec("matplotlib") else None
+    train(out, *RESUMABLE, *LOGGING, "--resume", str(ckpt))
+    after = (out / "metrics.jsonl").read_text().splitlines()
+    assert after[:7] == before[:7]  # the config record and steps 1-6, byte for byte
+    lines = [json.loads(line) for line in after]
+    assert [line.get("step") for line in lines] == [None, *range(1, 7), None, *range(7, 13), None]
+    assert lines[7]["config"]["resumed"] == {"from": str(ckpt), "step": 6, "from_checkpoint": {}, "changed": {}}
+    assert "summary" in lines[-1] and lines[-1]["summary"]["resumed"]["step"] == 6
+    straight = [json.loads(line) for line in before[7:13]]
+    assert [r["loss"] for r in lines[8:14]] == [r["loss"] for r in straight]  # the same run, continued exactly
+    if straight_png is not None:
+        assert (out / "loss.png").read_bytes() == straight_png
+
+
+# FP16 with a loss scale that starts at its maximum and grows after every clean step: overflow
+# skips at the start and every other step after.
+OVERFLOWING = """
+import functools
+import fzero
+fzero.DynamicLossScale = functools.partial(fzero.DynamicLossScale, init_scale=2.0**24, growth_interval=1)
+"""
+
+
+def test_a_resumed_run_counts_skipped_steps_over_the_whole_run(tmp_path):
+    """The checkpoint keeps the count of skipped steps, so each record's skipped_total goes on
+    from it after a resume as in the straight run; the summary counts the steps of its process."""
+    script = train_after(tmp_path / "overflowing.py", OVERFLOWING)
+    args = ["--model", "mlp", "--mlp-dims", "8,32,4", "--dtype", "fp16", "--steps", "12", "--log-every", "3"]
+    straight, _, _ = train(tmp_path / "run", *args, "--save-every", "6", script=script)
+    resumed, summary, _ = train(tmp_path / "b", *args, "--resume", str(tmp_path / "run" / "ckpt" / "step-6"), script=script)
+    assert any(r["found_inf"] for r in straight[:6]) and any(r["found_inf"] for r in straight[6:])
+    assert [r["skipped_total"] for r in resumed] == [r["skipped_total"] for r in straight[6:]]
+    assert summary["skipped_steps"] == sum(r["found_inf"] for r in resumed)
 
 
 def test_resume_takes_the_training_flags_it_is_not_given_from_the_checkpoint(saved_run, tmp_path):
