@@ -2,8 +2,9 @@
 
 * ``CharCorpus``: character-level text. By default the corpus is built at run time from the
   Python standard library's own ``.py`` sources, which ship with every Python install; pass
-  any text file instead with ``CharCorpus.from_file``. The vocabulary is fixed (newline,
-  printable ASCII and one replacement character: 97 symbols), whatever the text.
+  any text file instead with ``CharCorpus.from_file`` (a regular file: not a device or a FIFO,
+  which every rank reads whole). The vocabulary is fixed (newline, printable ASCII and one
+  replacement character: 97 symbols), whatever the text.
 * ``TeacherRegression``: a synthetic regression task, ``y = teacher(x)`` (scaled to unit
   variance) for a fixed random MLP teacher and ``x ~ N(0, 1)``.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import sysconfig
 
 import torch
@@ -60,6 +62,26 @@ def stdlib_text(max_bytes: int = 3_000_000) -> str:
     return "".join(parts)[:max_bytes]
 
 
+_NOT_REGULAR = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_text_file(path: str) -> str | None:
+    """Why ``path`` is not a corpus to read (from its ``stat``, without opening it), or None."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "no such file"
+    except OSError as e:
+        return e.strerror or str(e)
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory"
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for is_kind, name in _NOT_REGULAR if is_kind(st.st_mode)), "a special file")
+        return f"not a regular file but {kind}; give a text file"
+    return "the file is empty" if st.st_size == 0 else None
+
+
 def _generator(seed: int, split: str, step: int) -> torch.Generator:
     """A CPU generator that depends only on ``(seed, split, step)``."""
     return torch.Generator().manual_seed((seed * 2 + _SPLITS[split]) * 1_000_003 + step)
@@ -85,6 +107,12 @@ class CharCorpus:
 
     @classmethod
     def from_file(cls, path: str, block_size: int) -> "CharCorpus":
+        """The text of the regular file at ``path``; ``ValueError`` saying what else it is (no such
+        file, a directory, a device or FIFO: those are not read at all, a FIFO would block or be
+        drained by the first rank, ``/dev/zero`` never ends) or that it is empty."""
+        problem = _not_text_file(path)
+        if problem:
+            raise ValueError(problem)
         with open(path, encoding="utf-8", errors="replace") as f:
             return cls(f.read(), block_size)
 

@@ -22,6 +22,21 @@ then {"summary": ...} (its "checkpoints" lists the ones saved; after --resume it
 the checkpoint, its step and the hyperparameters the run continued with); and <out>/loss.png
 (loss, learning rate, loss scale).
 
+--resume DIR continues a checkpoint at any world size. A checkpoint records the flags that define
+the training (--model, --config, --block-size, --mlp-dims, --dtype, --keep-master, --data, --seed,
+--batch-size, --steps, --lr, --warmup, --weight-decay, --grad-clip) and --resume takes each one
+not given from it, so "--resume DIR" alone continues the saved run exactly. A given one that
+differs from the checkpoint's takes effect (a longer run, another learning rate, another seed:
+other batches from there on), except the model's -- --model, --config, --block-size, --mlp-dims,
+--dtype -- and a --grad-clip that turns clipping on or off: those are flag errors. One line names
+the flags taken from the checkpoint (where they differ from the defaults) and the given ones that
+differ from it; the config record holds both under "resumed". Resumed into the directory that
+holds the checkpoint (--out <run>, --resume <run>/ckpt/step-N), the run continues that directory's
+metrics.jsonl: it keeps the records up to step N, drops the later ones (the steps it replaces),
+appends a config record and its own, and loss.png plots the whole run. Into another directory the
+log starts afresh. Either way skipped_total goes on from the checkpoint's count (the summary's
+skipped_steps and steps count this process's steps).
+
 Progress: a tqdm bar on a terminal; without one (a file, a pipe, a terminal with no size) one
 line per log step. A bad flag stops the run before any work with one line naming it and a valid
 value, exit code 2.
@@ -64,8 +79,8 @@ CONFIG_HELP = ("nano 0.11M params, context 64; tiny 0.82M, 128; small 10.8M, 256
                "gpt2 85.9M, 1024 (GPU)")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def make_parser(**kwargs) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
     p.add_argument("--model", choices=["gpt", "mlp"], default="gpt",
                    help="gpt: a character-level GPT on text; mlp: a regression MLP fit to a fixed teacher "
                         "MLP on random inputs: %(default)s")
@@ -94,7 +109,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", metavar="DIR", help="write a chrome trace of steps 3-5 here, one file per rank")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="write a sharded checkpoint to <out>/ckpt/step-<N> every N steps (0: never)")
-    p.add_argument("--resume", metavar="DIR", help="continue from this checkpoint (any world size)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue from this checkpoint (any world size), with its training flags unless given")
     p.add_argument("--bucket-mb", type=float, default=0.0,
                    help="communication buckets of about this many MiB of params (0: one bucket): %(default)s")
     p.add_argument("--comm-every", type=int, default=50, metavar="N",
@@ -111,17 +127,31 @@ def parse_args(argv=None):
                         "2 with one line naming the bad one (make train runs this before torchrun)")
     p.add_argument("--log-every", type=int, default=10, metavar="N",
                    help="sync the host every N steps to log them (the metrics keep every step): %(default)s")
-    args = p.parse_args(argv)
-    return args
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
+
+
+def given_flags(argv=None) -> set[str]:
+    """The flags the command line gives (their ``dest`` names), whatever their value: the
+    arguments parsed again with every default a marker."""
+    p, unset = make_parser(), object()
+    p.set_defaults(**dict.fromkeys(vars(p.parse_args(argv)), unset))
+    return {name for name, value in vars(p.parse_args(argv)).items() if value is not unset}
 
 
 class UsageError(Exception):
     """A bad flag or combination of flags: one line that names the flag and a valid value."""
 
 
-def check_args(args, world: int) -> None:
+def check_args(args, world: int, given: set[str] | None = None) -> dict | None:
     """Reject every bad flag or combination before any work (``UsageError``), and fill in the
-    defaults that depend on ``--model``. ``world``: the number of ranks."""
+    defaults that depend on ``--model``. ``world``: the number of ranks. With ``--resume``, first
+    take the training flags not in ``given`` (``given_flags``; None: all of them) from the
+    checkpoint and return what ``resume_flags`` says about them."""
+    resumed = resume_flags(args, set(vars(args)) if given is None else given) if args.resume else None
     gpt_only = [f for f, v in (("--config", args.config), ("--block-size", args.block_size), ("--data", args.data)) if v]
     if args.model == "mlp" and gpt_only:
         raise UsageError(f"{gpt_only[0]} applies to --model gpt only (drop it, or use --model gpt)")
@@ -172,13 +202,106 @@ def check_args(args, world: int) -> None:
                          f"got --dtype {args.dtype}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
-    if args.resume:
-        try:
-            saved = fzero.checkpoint.read_manifest(args.resume)["extra"].get("step", 0)
-        except (OSError, fzero.checkpoint.CheckpointError) as e:
-            raise UsageError(f"--resume {args.resume}: not a checkpoint ({str(e).splitlines()[0]})") from None
-        if saved >= args.steps:
-            raise UsageError(f"--resume {args.resume} is at step {saved}; --steps must be more than that")
+    if resumed and resumed["step"] >= args.steps:
+        raise UsageError(f"--resume {args.resume} is at step {resumed['step']}; --steps must be more than that")
+    return resumed
+
+
+# ---------------------------------------------------------------- resuming
+# The flags that define the training. A checkpoint records them (extra["flags"]), and --resume
+# takes every one the command line does not give from it: "--resume DIR" alone continues the
+# saved run exactly. MODEL_FLAGS fix the model and its optimizer state, so a value other than
+# the checkpoint's is a flag error. The others may change on resume -- a longer run, another
+# learning rate or seed (the batches after the resumed step then differ), the remainder master
+# on or off (the checkpoint holds the FP32 master and loads into either) -- and take effect; the
+# run names them. The world size, --mesh, logging, evaluation and checkpointing are free.
+MODEL_FLAGS = ("model", "config", "block_size", "mlp_dims", "dtype")
+TRAINING_FLAGS = (*MODEL_FLAGS, "keep_master", "data", "seed", "batch_size", "steps", "lr", "warmup", "weight_decay",
+                  "grad_clip")
+DTYPE_FLAG = {str(dtype).removeprefix("torch."): name for name, dtype in DTYPES.items()}  # a manifest's param_dtype
+
+
+def flag(name: str, value=None) -> str:
+    """``"--block-size"`` for ``"block_size"``; with a value, ``"--block-size 32"``."""
+    spelled = "--" + name.replace("_", "-")
+    return spelled if value is None else f"{spelled} {value}"
+
+
+def against_checkpoint(name: str, value, saved) -> str:
+    """``"--dtype fp16 (checkpoint: bf16)"``."""
+    return f"{flag(name, value)} (checkpoint: {'none' if saved is None else saved})"
+
+
+def training_flags(args) -> dict:
+    """The training flags of ``args`` as a checkpoint records them: the defaults that depend on
+    ``--model`` filled in, None for the other model's flags, ``--data`` as an absolute path, a
+    non-finite float as its string (strict JSON: ``--grad-clip inf``)."""
+    is_gpt, config = args.model == "gpt", args.config or "nano"
+    flags = {name: getattr(args, name) for name in TRAINING_FLAGS}
+    flags.update(config=config if is_gpt else None,
+                 block_size=(args.block_size or GPT_CONFIGS[config]().block_size) if is_gpt else None,
+                 mlp_dims=None if is_gpt else ",".join(d.strip() for d in (args.mlp_dims or MLP_DIMS).split(",")),
+                 data=os.path.abspath(args.data) if is_gpt and args.data else None)
+    return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in flags.items()}
+
+
+def resume_flags(args, given: set[str]) -> dict:
+    """Read the ``--resume`` checkpoint (no process group needed) and set each training flag not
+    in ``given`` to its value there. ``UsageError`` if it is not a checkpoint, or for given
+    flags that contradict it: MODEL_FLAGS, and --grad-clip turning clipping on or off (that
+    adds or removes the clipping state). Returns the metrics record's ``"resumed"``: the
+    checkpoint, its step, the flags taken from it that differ from this command's defaults
+    (``from_checkpoint``), and the given ones that differ from it (``changed``: [saved, given]).
+
+    A checkpoint saved before ``extra["flags"]`` existed still gives its param dtype (every
+    manifest has it) and ``extra["seed"]``."""
+    try:
+        manifest = fzero.checkpoint.read_manifest(args.resume)
+    except (OSError, fzero.checkpoint.CheckpointError) as e:
+        raise UsageError(f"--resume {args.resume}: not a checkpoint ({str(e).splitlines()[0]})") from None
+    extra = manifest["extra"]
+    recorded = extra.get("flags")
+    if not isinstance(recorded, dict):  # saved before extra["flags"]
+        recorded = {"seed": extra["seed"]} if "seed" in extra else {}
+    recorded = {k: v for k, v in {"dtype": DTYPE_FLAG.get(manifest["param_dtype"]), **recorded}.items()
+                if k in TRAINING_FLAGS}
+    try:  # the saved values through this parser: its types and choices
+        from_ckpt = make_parser(exit_on_error=False).parse_args(
+            [f"{flag(k)}={v}" for k, v in recorded.items() if v is not None])
+    except argparse.ArgumentError as e:
+        raise UsageError(f"--resume {args.resume}: the checkpoint's training flags are not this train.py's ({e})") from None
+    defaults = training_flags(args)
+    for name in recorded.keys() - given:
+        setattr(args, name, getattr(from_ckpt, name))
+    saved = {k: v for k, v in training_flags(from_ckpt).items() if k in recorded}
+    # (a given flag of the other model, --config of an MLP, as given: check_args rejects it later)
+    now = {k: getattr(args, k) if v is None and k in given else v for k, v in training_flags(args).items()}
+    differ = [k for k in saved if k in given and now[k] != saved[k]]
+    wrong = [k for k in differ if k in MODEL_FLAGS]
+    if wrong:
+        listed = ", ".join(against_checkpoint(k, now[k], saved[k]) for k in wrong)
+        raise UsageError(f"--resume {args.resume}: {listed}: these flags fix the model and its optimizer state; "
+                         "drop them to continue with the checkpoint's")
+    if "grad_clip" in differ and (saved["grad_clip"] == "inf") != (now["grad_clip"] == "inf"):
+        off = now["grad_clip"] == "inf"
+        raise UsageError(f"--resume {args.resume}: {against_checkpoint('grad_clip', now['grad_clip'], saved['grad_clip'])} "
+                         f"turns clipping {'off' if off else 'on'}, which changes the optimizer state; drop it to keep "
+                         f"{saved['grad_clip']}" + (" (a large --grad-clip such as 1e9 clips nothing)" if off else ""))
+    return {"from": args.resume, "step": extra.get("step", 0),
+            "from_checkpoint": {k: v for k, v in saved.items() if k not in given and v != defaults[k] and v is not None},
+            "changed": {k: [saved[k], now[k]] for k in differ}}
+
+
+def resume_line(resumed: dict) -> str | None:
+    """The one line that says which training flags a resumed run took from the checkpoint and
+    which given ones differ from it; None when the command line and the checkpoint agree."""
+    parts = []
+    if resumed["from_checkpoint"]:
+        parts.append("with the checkpoint's " + " ".join(flag(k, v) for k, v in resumed["from_checkpoint"].items()))
+    if resumed["changed"]:
+        parts.append("with flags that differ from it: " + ", ".join(
+            against_checkpoint(k, now, saved) for k, (saved, now) in resumed["changed"].items()))
+    return f"resuming {resumed['from']} at step {resumed['step']} " + ", and ".join(parts) if parts else None
 
 
 def load_data(args):
@@ -188,11 +311,7 @@ def load_data(args):
     T = args.block_size or GPT_CONFIGS[args.config]().block_size
     if not args.data:
         return CharCorpus.from_stdlib(T)
-    if not os.path.isfile(args.data):
-        raise UsageError(f"--data {args.data}: {'is a directory' if os.path.isdir(args.data) else 'no such file'}")
-    if os.path.getsize(args.data) == 0:
-        raise UsageError(f"--data {args.data}: the file is empty")
-    try:
+    try:  # ValueError: not a regular file, empty, too short for one block
         return CharCorpus.from_file(args.data, T)
     except (OSError, ValueError) as e:
         raise UsageError(f"--data {args.data}: {e}") from None
@@ -325,9 +444,9 @@ class LogWindow:
 
     INFO_KEYS = ("found_inf", "loss_scale", "grad_norm", "scale_stuck", "lr")
 
-    def __init__(self, tokens_per_step: int, state_bytes: int):
+    def __init__(self, tokens_per_step: int, state_bytes: int, skipped: int = 0):
         self.tokens_per_step, self.state_bytes = tokens_per_step, state_bytes
-        self.skipped = 0  # over the whole run
+        self.skipped = skipped  # over the whole run: a resumed run starts from the checkpoint's count
         self.steps, self.losses, self.infos = [], [], []
         self.restart_clock()
 
@@ -405,6 +524,36 @@ class Progress:
             self.bar.close()
 
 
+def open_metrics(out: str, resume: str | None, step: int):
+    """``(file, earlier step records)``: ``<out>/metrics.jsonl`` opened for this run's records.
+
+    A run resumed from a checkpoint inside ``out`` (its own ``<out>/ckpt/step-N``) continues the
+    file: it keeps the lines up to the record of the resumed ``step`` -- the summary of a run
+    that ended there too -- and drops the rest (the steps this run replaces, and the config and
+    summary records of the run that took them); the kept step records come back for the plot.
+    Any other run starts the file afresh."""
+    path = os.path.join(out, "metrics.jsonl")
+    inside = resume and os.path.commonpath([os.path.realpath(resume), os.path.realpath(out)]) == os.path.realpath(out)
+    if not (inside and os.path.isfile(path)):
+        return open(path, "w"), []
+    earlier, read, keep = [], 0, 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a crash: neither it nor what follows is kept
+                break
+            if not (isinstance(record, dict) and line.endswith(b"\n")) or record.get("step", 0) > step:
+                break
+            read += len(line)
+            if "step" in record:
+                earlier.append(record)
+            if "config" not in record:  # a config record is kept only with a step after it: it starts a run
+                keep = read
+    os.truncate(path, keep)
+    return open(path, "a"), earlier
+
+
 def sized_terminal() -> bool:
     """stderr (where tqdm draws) is a terminal that reports a width."""
     try:
@@ -450,7 +599,7 @@ def main(argv=None):
     # rank 0 only, exit code 2 (argparse's convention).
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     try:
-        check_args(args, world)
+        resume = check_args(args, world, given_flags(argv))  # with --resume: the flags it took from the checkpoint
         data = load_data(args)
     except UsageError as e:
         if rank == 0:
@@ -490,19 +639,15 @@ def main(argv=None):
     out = args.out or os.path.join("runs", f"{args.model}-{args.dtype}-{time.strftime('%Y%m%d-%H%M%S')}")
     if rank == 0:
         os.makedirs(out, exist_ok=True)
+        if resume and resume_line(resume):
+            print(resume_line(resume))
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
         kept = "int16 master remainder" if args.keep_master == "remainder" else "FP32 master"
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 moments + the decay mask, 1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
-    log = open(os.path.join(out, "metrics.jsonl"), "w") if rank == 0 else None
-    if log:  # the first record: the run's settings, to read a log without its command line
-        config = {"args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
-                  "world_size": world, "device": str(device), "torch": torch.__version__, "fzero": fzero_version(),
-                  "param_count": n_params, "opt_state_bytes_per_rank": state_bytes}
-        log.write(json.dumps({"config": config}) + "\n")
 
-    first_step, resumed = 1, None
+    first_step, resumed, extra = 1, None, {}
     if args.resume:  # same model and optimizer, any world size; batches are seeded by step
         # The hyperparameters of this command line (--weight-decay, --grad-clip) take effect;
         # load warns about each one that differs from the checkpoint's.
@@ -513,9 +658,20 @@ def main(argv=None):
         if rank == 0:
             print(f"resumed from {args.resume} at step {extra['step']} with hyperparameters {json.dumps(hyperparams)}")
 
+    # Opened once the checkpoint has loaded: a resume that fails leaves the run's log as it was.
+    log, earlier = open_metrics(out, args.resume, first_step - 1) if rank == 0 else (None, [])
+    if log:  # the run's settings (after a resume, from the resumed step on), to read a log without its command line
+        config = {"args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+                  "world_size": world, "device": str(device), "torch": torch.__version__, "fzero": fzero_version(),
+                  "param_count": n_params, "opt_state_bytes_per_rank": state_bytes}
+        if resume:
+            config["resumed"] = resume
+        log.write(json.dumps({"config": config}) + "\n")
+
     train_step = make_train_step(engine, loss_fn, compile=args.compile)
     lr_fn = lr_schedule(args)
-    records, window, warned_stuck, saved = [], LogWindow(tokens_per_step, state_bytes), False, []
+    window = LogWindow(tokens_per_step, state_bytes, skipped=extra.get("skipped_total", 0))  # over the whole run
+    records, warned_stuck, saved, flags = [], False, [], training_flags(args)
     profiler = make_profiler(args.profile, rank) if args.profile else contextlib.nullcontext()
     progress = Progress(rank == 0, first_step, args.steps)
     start = time.perf_counter()
@@ -548,7 +704,8 @@ def main(argv=None):
                     warn_stuck(loss_fn, params, scaler_state, batch, rank)
                 if save_now:
                     path, t0 = os.path.join(out, "ckpt", f"step-{step}"), time.perf_counter()
-                    fzero.checkpoint.save(path, params, state, scaler_state, engine, extra={"step": step, "seed": args.seed})
+                    fzero.checkpoint.save(path, params, state, scaler_state, engine,  # extra: what --resume reads
+                                          extra={"step": step, "skipped_total": window.skipped, "flags": flags})
                     saved.append(path)
                     progress.write(f"saved checkpoint {path} ({dir_bytes(path) / 2**20:.2f} MiB, "
                                    f"{time.perf_counter() - t0:.2f} s)")
@@ -567,7 +724,7 @@ def main(argv=None):
     if rank == 0:
         log.write(json.dumps({"summary": summary}) + "\n")
         log.close()
-        plot_path = plot(records, os.path.join(out, "loss.png"), title=f"{name}, {args.dtype}, {world} rank(s)")
+        plot_path = plot(earlier + records, os.path.join(out, "loss.png"), title=f"{name}, {args.dtype}, {world} rank(s)")
         print_summary(summary, log.name, plot_path, args.profile)
     fzero.shutdown()  # every rank leaves together and the process group's threads end here
 
@@ -615,7 +772,7 @@ def summarize(records, args, world, n_params, state_bytes, tokens_per_step, tota
         "final_loss": records[-1]["loss"],
         "final_val_loss": val[-1] if val else None,
         "best_val_loss": min(val) if val else None,
-        "skipped_steps": records[-1]["skipped_total"],
+        "skipped_steps": sum(r["found_inf"] for r in records),
         "total_time_s": total_time,
         "mean_tokens_per_s": len(records) * tokens_per_step / total_time,
         "world_size": world,

@@ -1,6 +1,6 @@
 """End-to-end tests of examples/train.py, run as users run it (subprocesses; torchrun for ranks).
 
-Small models and batches so the whole file takes about three minutes on 2 CPU cores, 45 s of it
+Small models and batches so the whole file takes about four minutes on 2 CPU cores, 45 s of it
 the test marked slow. Most runs are eager (``--no-compile``): compiling the step
 costs 5-20 s a process, so only the tests about the compiled main job pay for it.
 """
@@ -13,6 +13,7 @@ import math
 import pty
 import select
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -218,6 +219,9 @@ def test_master_remainder_trains_the_main_job_bit_for_bit(tmp_path):
 BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--data", "/nonexistent"], 1, "--data /nonexistent: no such file"),
     (["--data", "{empty}"], 1, "empty.txt: the file is empty"),
+    (["--data", "/dev/zero"], 1, "--data /dev/zero: not a regular file but a character device; give a text file"),
+    (["--data", "{fifo}"], 1, "fifo: not a regular file but a FIFO (named pipe); give a text file"),
+    (["--data", "{tmp}"], 1, "--data {tmp}: is a directory"),
     (["--data", "{short}", "--block-size", "32"], 1, "--block-size 32 needs more"),
     (["--resume", "/nonexistent"], 1, "--resume /nonexistent: not a checkpoint"),
     (["--model", "mlp", "--mlp-dims", "64,abc"], 1, "--mlp-dims '64,abc' must be two or more positive integers, e.g. --mlp-dims 64,256,256,64"),
@@ -237,19 +241,38 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--mesh", "3,2"], 4, "--mesh 3,2 needs 6 ranks, this run has 4"),
     (["--mesh", "2"], 2, "--mesh 2 must be two positive integers R,S"),
     (["--keep-master", "remainder"], 1, "--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, got --dtype fp16"),
+    # flags that fix the model and its optimizer state, against the checkpoint's (RESUMABLE)
+    (["--resume", "{ckpt}", "--dtype", "fp16"], 1,
+     "--resume {ckpt}: --dtype fp16 (checkpoint: bf16): these flags fix the model and its optimizer state; "
+     "drop them to continue with the checkpoint's"),
+    (["--resume", "{ckpt}", "--model", "gpt"], 1, "--resume {ckpt}: --model gpt (checkpoint: mlp): these flags"),
+    (["--resume", "{ckpt}", "--mlp-dims", "8,16,4", "--dtype", "fp32"], 1,
+     "--resume {ckpt}: --mlp-dims 8,16,4 (checkpoint: 8,32,4), --dtype fp32 (checkpoint: bf16): these flags"),
+    (["--resume", "{ckpt}", "--grad-clip", "inf"], 1,
+     "--resume {ckpt}: --grad-clip inf (checkpoint: 0.5) turns clipping off, which changes the optimizer state; "
+     "drop it to keep 0.5 (a large --grad-clip such as 1e9 clips nothing)"),
+    (["--resume", "{ckpt}", "--steps", "6"], 1, "--resume {ckpt} is at step 6; --steps must be more than that"),
+    (["--resume", "{legacy}", "--dtype", "fp16"], 1, "--resume {legacy}: --dtype fp16 (checkpoint: bf16): these flags"),
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((["--device", "cuda"], 1, "--device cuda: this torch"))
 
 
 @pytest.mark.parametrize("flags,ranks,message", BAD_FLAGS, ids=[" ".join(f) or f"{r} ranks" for f, r, _ in BAD_FLAGS])
-def test_a_bad_flag_stops_the_run_before_any_work_with_one_line(flags, ranks, message, tmp_path, monkeypatch, capsys):
+def test_a_bad_flag_stops_the_run_before_any_work_with_one_line(flags, ranks, message, tmp_path, monkeypatch, capsys,
+                                                              request):
     """Checked before any rank joins a group, builds a model or reads the corpus: exit code 2
     and one line on stderr naming the flag (and a valid value where there is one), from rank 0
     only; the other ranks say nothing."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("def f(x):\n    return x\n" * 3)
-    flags = [f.format(empty=tmp_path / "empty.txt", short=tmp_path / "short.txt") for f in flags]
+    os.mkfifo(tmp_path / "fifo")
+    paths = {"empty": tmp_path / "empty.txt", "short": tmp_path / "short.txt", "fifo": tmp_path / "fifo", "tmp": tmp_path}
+    if "{ckpt}" in flags:
+        paths["ckpt"] = request.getfixturevalue("saved_run") / "ckpt" / "step-6"
+    if "{legacy}" in flags:
+        paths["legacy"] = request.getfixturevalue("legacy_checkpoint")
+    flags, message = [f.format(**paths) for f in flags], message.format(**paths)
     train_py = load_train_module(monkeypatch)
     monkeypatch.setattr(train_py, "init_distributed", lambda *a: pytest.fail("joined a group before checking"))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not a torchrun worker
@@ -284,14 +307,18 @@ def test_a_rank_that_rank_0_did_not_stop_reports_the_bad_flag_itself(tmp_path, m
         "train.py: error (rank 1): --batch-size 7 must be divisible by the number of ranks (2): --batch-size 6 or 8\n")
 
 
+def train_after(script: Path, prelude: str) -> Path:
+    """Write ``script``: ``prelude``, then train.py as ``python train.py`` runs it (to pass to ``train``)."""
+    script.write_text(f"{prelude}\nimport runpy, sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nsys.argv[0] = {str(TRAIN)!r}\n"
+                      f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n")
+    return script
+
+
 # train.py with rank 0 held back, so that rank 1 finds the bad flag first.
 LAGGING_RANK_0 = """
-import os, runpy, sys, time
+import os, time
 if os.environ["RANK"] == "0":
     time.sleep({lag})
-sys.path.insert(0, {examples!r})
-sys.argv[0] = {train!r}
-runpy.run_path({train!r}, run_name="__main__")
 """
 
 
@@ -300,8 +327,7 @@ def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(rank_0_lag_s, tmp_pat
     """Under torchrun the one line comes from rank 0, also when another rank finds the bad flag
     first (torchrun stops every worker once one has failed, so that rank waits to be stopped).
     ``make train`` checks the flags with ``--check-args`` before it starts torchrun."""
-    script = tmp_path / "lagging_rank_0.py"
-    script.write_text(LAGGING_RANK_0.format(lag=rank_0_lag_s, examples=str(EXAMPLES), train=str(TRAIN)))
+    script = train_after(tmp_path / "lagging_rank_0.py", LAGGING_RANK_0.format(lag=rank_0_lag_s))
     t0 = time.perf_counter()
     _, _, proc = train(tmp_path / "bad", *SMALL_GPT, "--batch-size", "7", "--steps", "1", nproc=2, check=False,
                        script=script)
@@ -420,6 +446,123 @@ def test_save_every_and_resume_at_another_world_size_continue_exactly(tmp_path):
     assert [r["step"] for r in resumed] == list(range(9, 17))
     for a, b in zip(straight[8:], resumed):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * a["loss"], (a, b)
+
+
+# A run whose every training flag differs from train.py's default: BF16 params over the int16
+# remainder master, another seed, batch, length, schedule, decay and clipping.
+RESUMABLE = ["--model", "mlp", "--mlp-dims", "8,32,4", "--dtype", "bf16", "--keep-master", "remainder", "--seed", "3",
+             "--batch-size", "8", "--steps", "12", "--lr", "0.01", "--warmup", "2", "--weight-decay", "0.05",
+             "--grad-clip", "0.5"]
+LOGGING = ["--eval-every", "6", "--log-every", "3"]  # not training flags: a resume gives them again
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """The run directory of RESUMABLE, 12 steps with checkpoints at steps 6 and 12."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    train(out, *RESUMABLE, *LOGGING, "--save-every", "6")
+    return out
+
+
+@pytest.fixture(scope="module")
+def legacy_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint of RESUMABLE's model and optimizer as train.py saved them before checkpoints
+    recorded the training flags: ``extra`` holds the step and the seed only."""
+    path = tmp_path_factory.mktemp("legacy") / "ckpt"
+    train_py = load_train_module()
+    args = train_py.parse_args(RESUMABLE)
+    train_py.check_args(args, 1)
+    params, *_ = train_py.build(args, train_py.load_data(args), torch.device("cpu"))
+    engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.bfloat16, master="remainder")
+    fzero.checkpoint.save(path, *engine.init(params), engine, extra={"step": 6, "seed": 3})
+    return path
+
+
+def test_resume_into_its_own_run_directory_continues_its_metrics_and_plot(saved_run, tmp_path):
+    """Resumed from step 6 into the run's own directory: metrics.jsonl keeps the records up to
+    step 6 as they were, drops the later ones (the steps being replaced), and goes on after a
+    config record that says so; loss.png plots the whole run, the same picture as the straight run."""
+    out = tmp_path / "run"
+    shutil.copytree(saved_run, out)
+    ckpt = out / "ckpt" / "step-6"
+    before = (out / "metrics.jsonl").read_text().splitlines()
+    straight_png = (out / "loss.png").read_bytes() if importlib.util.find_spec("matplotlib") else None
+    train(out, *RESUMABLE, *LOGGING, "--resume", str(ckpt))
+    after = (out / "metrics.jsonl").read_text().splitlines()
+    assert after[:7] == before[:7]  # the config record and steps 1-6, byte for byte
+    lines = [json.loads(line) for line in after]
+    assert [line.get("step") for line in lines] == [None, *range(1, 7), None, *range(7, 13), None]
+    assert lines[7]["config"]["resumed"] == {"from": str(ckpt), "step": 6, "from_checkpoint": {}, "changed": {}}
+    assert "summary" in lines[-1] and lines[-1]["summary"]["resumed"]["step"] == 6
+    straight = [json.loads(line) for line in before[7:13]]
+    assert [r["loss"] for r in lines[8:14]] == [r["loss"] for r in straight]  # the same run, continued exactly
+    if straight_png is not None:
+        assert (out / "loss.png").read_bytes() == straight_png
+
+
+# FP16 with a loss scale that starts at its maximum and grows after every clean step: overflow
+# skips at the start and every other step after.
+OVERFLOWING = """
+import functools
+import fzero
+fzero.DynamicLossScale = functools.partial(fzero.DynamicLossScale, init_scale=2.0**24, growth_interval=1)
+"""
+
+
+def test_a_resumed_run_counts_skipped_steps_over_the_whole_run(tmp_path):
+    """The checkpoint keeps the count of skipped steps, so each record's skipped_total goes on
+    from it after a resume as in the straight run; the summary counts the steps of its process."""
+    script = train_after(tmp_path / "overflowing.py", OVERFLOWING)
+    args = ["--model", "mlp", "--mlp-dims", "8,32,4", "--dtype", "fp16", "--steps", "12", "--log-every", "3"]
+    straight, _, _ = train(tmp_path / "run", *args, "--save-every", "6", script=script)
+    resumed, summary, _ = train(tmp_path / "b", *args, "--resume", str(tmp_path / "run" / "ckpt" / "step-6"), script=script)
+    assert any(r["found_inf"] for r in straight[:6]) and any(r["found_inf"] for r in straight[6:])
+    assert [r["skipped_total"] for r in resumed] == [r["skipped_total"] for r in straight[6:]]
+    assert summary["skipped_steps"] == sum(r["found_inf"] for r in resumed)
+
+
+def test_resume_takes_the_training_flags_it_is_not_given_from_the_checkpoint(saved_run, tmp_path):
+    """``--resume`` alone continues the saved run exactly -- model, BF16 over the remainder master,
+    seed, batch, schedule, clipping -- and says on one line which flags it took from the
+    checkpoint; into another directory, metrics.jsonl starts afresh with a config record that
+    says it resumed. Flags given with other values than the checkpoint's (but not ones that
+    fix the model) take effect and are named on one line."""
+    ckpt = saved_run / "ckpt" / "step-6"
+    straight = [r for r in metrics(saved_run) if "step" in r]
+    records, summary, proc = train(tmp_path / "b", *LOGGING, "--resume", str(ckpt))
+    taken = ("--model mlp --mlp-dims 8,32,4 --dtype bf16 --keep-master remainder --seed 3 --batch-size 8 --steps 12 "
+             "--lr 0.01 --warmup 2 --weight-decay 0.05 --grad-clip 0.5")
+    assert proc.stdout.splitlines()[0] == f"resuming {ckpt} at step 6 with the checkpoint's {taken}"
+    assert "int16 master remainder" in proc.stdout
+    assert [r["step"] for r in records] == list(range(7, 13))
+    assert [r["loss"] for r in records] == [r["loss"] for r in straight[6:]]
+    config = metrics(tmp_path / "b")[0]["config"]
+    assert config["args"]["dtype"] == "bf16" and config["args"]["seed"] == 3
+    assert config["resumed"]["from"] == str(ckpt) and config["resumed"]["step"] == 6 and config["resumed"]["changed"] == {}
+    assert config["resumed"]["from_checkpoint"]["keep_master"] == "remainder"
+
+    records, summary, proc = train(tmp_path / "c", *LOGGING, "--resume", str(ckpt), "--seed", "4", "--steps", "14",
+                                   "--lr", "0.02", "--keep-master", "fp32")
+    assert proc.stdout.splitlines()[0] == (
+        f"resuming {ckpt} at step 6 with the checkpoint's --model mlp --mlp-dims 8,32,4 --dtype bf16 --batch-size 8 "
+        "--warmup 2 --weight-decay 0.05 --grad-clip 0.5, and with flags that differ from it: --keep-master fp32 "
+        "(checkpoint: remainder), --seed 4 (checkpoint: 3), --steps 14 (checkpoint: 12), --lr 0.02 (checkpoint: 0.01)")
+    assert [r["step"] for r in records] == list(range(7, 15)) and records[0]["loss"] != straight[6]["loss"]
+    changed = metrics(tmp_path / "c")[0]["config"]["resumed"]["changed"]
+    assert changed == {"keep_master": ["remainder", "fp32"], "seed": [3, 4], "steps": [12, 14], "lr": [0.01, 0.02]}
+
+
+def test_a_checkpoint_without_training_flags_resumes_with_its_dtype_and_seed(legacy_checkpoint, tmp_path):
+    """A checkpoint whose ``extra`` has only the step and the seed: its param dtype (in every
+    manifest) and its seed are taken as the flags not given."""
+    records, _, proc = train(tmp_path / "run", *RESUMABLE[:4], "--keep-master", "remainder", "--batch-size", "8",
+                             "--steps", "8", "--resume", str(legacy_checkpoint))
+    assert proc.stdout.splitlines()[0] == f"resuming {legacy_checkpoint} at step 6 with the checkpoint's --dtype bf16 --seed 3"
+    assert [r["step"] for r in records] == [7, 8] and all(r["loss_scale"] == 1.0 for r in records)  # BF16: no scaling
 
 
 # ---------------------------------------------------------------- the optimizer train.py builds
