@@ -271,7 +271,9 @@ class Engine:
         acc = torch.float32 if self.param_dtype == torch.float16 else torch.float64
         sumsq = comm.all_reduce_sum(sum_of_squares(shard, dtype=acc) / grad_scale.double().square())
         found_inf = ~torch.isfinite(sumsq)
-        norm = torch.sqrt(sumsq)
+        # One NaN for every overflow: a NaN's sign and payload come from whichever operand the
+        # kernels met first, which changes with the fusion of the compiled graph around it.
+        norm = torch.where(torch.isnan(sumsq), torch.nan, torch.sqrt(sumsq))
         # A transform's values at this step that are not stored (a schedule's lr): the same on
         # every rank; a non-finite one skips the update like an overflow (the loss scale stays).
         rates = self.tx.hyperparams(state.tx_state) if self.tx.hyperparams else {}

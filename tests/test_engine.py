@@ -589,3 +589,17 @@ def test_a_non_finite_scheduled_lr_skips_the_step_and_info_shows_the_lr(fused, b
             assert tree_equal(state, before[0])
         assert torch.isfinite(state.master).all()
     assert lrs[:2] == [pytest.approx(1e-2), pytest.approx(2e-2)] and all(x != x or x == bad for x in lrs[2:])
+
+
+def test_the_grad_norm_of_an_overflow_is_one_nan_whatever_the_grads_held():
+    """A NaN's sign and payload follow the operands the kernels met first (they changed with the
+    fusion of a compiled graph); the reported norm is the one canonical NaN, inf stays inf."""
+    p0 = {"w": torch.zeros(300)}
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.bfloat16)
+    params, state, ss = engine.init(p0)
+    odd_nan = torch.tensor([-1], dtype=torch.int16).view(torch.bfloat16)  # 0xFFFF: a negative NaN with a payload
+    for bad, bits in ((odd_nan, 0x7FC00000), (torch.tensor(float("inf"), dtype=torch.bfloat16), 0x7F800000)):
+        grads = {"w": torch.zeros(300, dtype=torch.bfloat16)}
+        grads["w"][7] = bad
+        info = engine.step(params, grads, state, ss)[3]
+        assert info["found_inf"] and info["grad_norm"].view(torch.int32).item() == bits
