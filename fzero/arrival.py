@@ -25,7 +25,7 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["arrive", "report_failure", "reset"]
+__all__ = ["arrive", "report_failure", "reset", "ranks_text"]
 
 _arrivals: dict[str, int] = {}  # group name -> arrivals this process made in it (off the hot path)
 _PREFIX = "fzero/arrive"
@@ -42,7 +42,8 @@ def _keys(group: str, n: int):
     return base, (lambda rank: f"{base}/rank{rank}")
 
 
-def _ranks_text(ranks) -> str:
+def ranks_text(ranks) -> str:
+    """``"rank 3"`` or ``"ranks 0, 2"``: how every fzero error names ranks."""
     ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
@@ -69,8 +70,8 @@ def arrive(group: str, what: str, *, timeout: float) -> None:
         if missing:
             there = [r for r in ranks if r not in missing]
             raise CollectiveError(
-                f"fzero: {what} is a collective call and {_ranks_text(missing)} did not reach it within {timeout:g} s "
-                f"({_ranks_text(there)} did): call it on every rank (not under `if rank == 0:`). If a rank "
+                f"fzero: {what} is a collective call and {ranks_text(missing)} did not reach it within {timeout:g} s "
+                f"({ranks_text(there)} did): call it on every rank (not under `if rank == 0:`). If a rank "
                 "legitimately needs longer to get there, raise the timeout (zero1(call_timeout=...), "
                 "shutdown(timeout=...)).") from None
     if store.get(f"{base}/done") == b"all" and int(store.add(f"{base}/call/{what}", 0)) == len(ranks):
@@ -85,7 +86,7 @@ def arrive(group: str, what: str, *, timeout: float) -> None:
     for r, c in calls.items():
         by_call.setdefault(c, []).append(r)
     raise CollectiveError("fzero: ranks are in different collective calls: "
-                          + "; ".join(f"{c} on {_ranks_text(rs)}" for c, rs in by_call.items())
+                          + "; ".join(f"{c} on {ranks_text(rs)}" for c, rs in by_call.items())
                           + ". Every rank must make the same fzero calls in the same order.")
 
 

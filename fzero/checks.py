@@ -38,7 +38,8 @@ def check_param_dtype(dtype) -> torch.dtype:
     return dtype
 
 
-def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, bucket_bytes, chunk_numel) -> None:
+def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, bucket_bytes, chunk_numel,
+                  call_timeout) -> None:
     """The options of ``fzero.zero1`` besides the param dtype; errors name the option."""
     if not isinstance(loss_scale, (DynamicLossScale, StaticLossScale)):
         raise TypeError(f"loss_scale must be DynamicLossScale, StaticLossScale or None, got {loss_scale!r}")
@@ -51,6 +52,8 @@ def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, buck
     for name, value in (("bucket_bytes", bucket_bytes), ("chunk_numel", chunk_numel)):
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive or None, got {value}")
+    if not (isinstance(call_timeout, (int, float)) and not isinstance(call_timeout, bool) and call_timeout > 0):
+        raise ValueError(f"call_timeout must be a positive number of seconds, got {call_timeout!r}")
 
 
 def check_master(master: str, param_dtype: torch.dtype) -> str:

@@ -164,7 +164,7 @@ class _Collectives:
             for rank, t in enumerate(tables):
                 ranks_of.setdefault(t.get(key, "absent"), []).append(rank)
             if len(ranks_of) > 1:
-                diffs.append(f"{key} is " + " but ".join(f"{v} on {_ranks(r)}" for v, r in ranks_of.items()))
+                diffs.append(f"{key} is " + " but ".join(f"{v} on {arrival.ranks_text(r)}" for v, r in ranks_of.items()))
         more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
         raise ValueError(f"{what} differs across ranks: " + "; ".join(diffs[:4]) + more)
 
@@ -493,10 +493,6 @@ def shutdown(*, barrier: bool = True, at_exit: bool = False, timeout: float = 60
             RuntimeWarning,
             stacklevel=3 if at_exit else 2,
         )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def predivide_factor(world_size: int) -> float:

@@ -73,12 +73,11 @@ class Engine:
             loss_scale = DynamicLossScale() if param_dtype == torch.float16 else None
         self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
         checks.check_options(self.loss_scale, param_dtype=param_dtype, reduce_dtype=reduce_dtype, stage=stage,
-                             offload=offload, bucket_bytes=bucket_bytes, chunk_numel=chunk_numel)
+                             offload=offload, bucket_bytes=bucket_bytes, chunk_numel=chunk_numel,
+                             call_timeout=call_timeout)
         self.reduce_dtype, self.alignment, self.stage = reduce_dtype, alignment, stage
         self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
         self.offload, self.donate, self.chunk_numel = offload, donate, chunk_numel
-        if not (isinstance(call_timeout, (int, float)) and not isinstance(call_timeout, bool) and call_timeout > 0):
-            raise ValueError(f"call_timeout must be a positive number of seconds, got {call_timeout!r}")
         self.call_timeout = float(call_timeout)
         given = [name for name, v in (("group", group), ("mesh", mesh), ("simulate", simulate)) if v is not None]
         if len(given) > 1:
