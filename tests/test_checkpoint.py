@@ -31,7 +31,7 @@ import fzero
 import transforms
 from distributed import run_ranks
 from fzero import checkpoint as ck
-from fzero.checkpoint import commit, reshard
+from fzero.checkpoint import commit, lock, reshard
 from helpers import grads_like, odd_params
 
 K, M = 4, 3  # save after K steps, then M more per link of the chain
@@ -121,7 +121,7 @@ def entries(path):
     return sorted(re.sub(r"^snapshot-[0-9a-f]{32}$", "snapshot-*", name) for name in os.listdir(path))
 
 
-ONE = sorted([commit.POINTER, commit.MARKER, commit.LOCK, "snapshot-*"])  # after the first save
+ONE = sorted([commit.POINTER, commit.MARKER, lock.LOCK, "snapshot-*"])  # after the first save
 COMMITTED = sorted(ONE + ["snapshot-*"])  # after two saves or more
 
 
@@ -355,7 +355,7 @@ def test_crash_at_any_point_leaves_a_loadable_checkpoint(tmp_path, point):
     assert os.listdir(tmp_path) == ["ckpt"]  # a save never writes next to path
 
     # the next save deletes what the crashed one left (recorded in the marker) and nothing else
-    before = commit._read_pointer(path)[0]
+    before = commit.read_pointer(path)[0]
     ck.save(path, params, state, ss, engine, extra={"v": 3})
     assert entries(path) == COMMITTED and os.listdir(tmp_path) == ["ckpt"]
     assert before in os.listdir(path)  # the previous snapshot stays until the next save
@@ -598,15 +598,15 @@ def test_each_rank_reads_exactly_its_real_elements(old_n, new_n):
         hit = torch.zeros(new.shard_numel, dtype=torch.int32)
         for entry, segs in zip(files, old_segments):
             data = torch.cat([glob_vec[g0:g1] for g0, g1, _ in segs]) if segs else torch.zeros(0)
-            for fpos, spos, m in reshard._overlaps(entry["segments"], new_segments[r]):
+            for fpos, spos, m in reshard.overlaps(entry["segments"], new_segments[r]):
                 shard[spos : spos + m] = data[fpos : fpos + m]
                 hit[spos : spos + m] += 1
         assert torch.equal(shard, fzero.tree_shard(p, new, r, dtype=torch.float32))
         real = sum(g1 - g0 for g0, g1, _ in new_segments[r])
         assert int(hit.sum()) == real and int(hit.max()) <= 1
     # each file is hashed by the new rank that reads most of it (page cache), ties to the lowest
-    for j, (entry, owner) in enumerate(zip(files, reshard._verifiers(files, new_segments))):
-        seen = [sum(m for *_, m in reshard._overlaps(entry["segments"], segs)) for segs in new_segments]
+    for j, (entry, owner) in enumerate(zip(files, reshard.verifiers(files, new_segments))):
+        seen = [sum(m for *_, m in reshard.overlaps(entry["segments"], segs)) for segs in new_segments]
         assert owner == (seen.index(max(seen)) if max(seen) else j % new_n)
 
 
@@ -1227,13 +1227,13 @@ def test_two_ranks_a_locked_path_different_paths_and_a_changed_mask(tmp_path):
     shutil.copytree(os.path.join(tmp, "c0"), os.path.join(tmp, "c0_copy"))
     saved_mask = global_view(engine, state, ss)["tx_state/1/mask"]  # c0's and c1's
     locked = os.path.join(tmp, "locked")
-    lock = commit._lock(locked)  # another job's save in progress (this process)
+    held = lock.acquire(locked)  # another job's save in progress (this process)
     try:
         before = contents(locked)
         r = run_ranks(two_ranks, 2, tmp)
         assert contents(locked) == before
     finally:
-        commit._unlock(lock)
+        lock.release(held)
     assert r[0]["locked"] == r[1]["locked"], r  # agreed: every rank raised the same error
     assert r[0]["locked"].startswith(f"save {locked}: rank 0: another save to {locked} is in progress (pid {os.getpid()} ")
     assert ck.load(locked, fresh_engine())[3] == {"v": "locked"}  # the previous checkpoint
