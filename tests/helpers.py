@@ -202,3 +202,185 @@ def forbid_host_syncs():
     finally:
         for n, f in saved.items():
             setattr(torch.Tensor, n, f)
+
+
+# ------------------------------------------------------------------------ checkpoints (tests/test_checkpoint*.py)
+# A model with odd leaf sizes, its engine and training, a saved checkpoint (the ``saved``
+# fixture: import it into the test module), and views of a checkpoint's state and files.
+import hashlib  # noqa: E402 -- this section's own imports
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+
+from fzero import checkpoint as ck  # noqa: E402
+from fzero.checkpoint import commit, lock  # noqa: E402
+
+
+CKPT_BAD_STEP = 1  # every rank sees an inf at this step: skipped, and the loss scale backs off
+
+
+def ckpt_params(seed=0, z_shape=(17, 23)):
+    """Odd sizes: P = 55 + 391 = 446, so shards split leaves at every world size."""
+    p = odd_params(seed)
+    p["z"] = torch.randn(*z_shape, generator=torch.Generator().manual_seed(100 + seed))
+    return p
+
+
+def ckpt_engine(**kw):
+    """The checkpoint tests' engine: adamw with a schedule and a weight-decay mask (a bool [S]
+    leaf), FP16 params with a dynamic loss scale; ``kw`` goes to ``zero1``."""
+    tx = transforms.adamw(
+        lr=transforms.linear_warmup(1e-3, 1e-2, 3),
+        weight_decay=0.1,
+        weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p),  # a bool [S] leaf
+    )
+    scale = fzero.DynamicLossScale(init_scale=16.0, growth_interval=2)
+    return fzero.zero1(tx, param_dtype=torch.float16, loss_scale=scale, **kw)
+
+
+def ckpt_steps(engine, params, state, ss, steps):
+    """Grads that do not depend on the rank or world size, so every world size trains alike."""
+    p0 = ckpt_params()
+    for step in steps:
+        grads = optree.tree_map(lambda g: (g * ss.scale).to(torch.float16), grads_like(p0, step))
+        if step == CKPT_BAD_STEP:
+            grads["w"][0, 0] = float("inf")
+        params, state, ss, _ = engine.step(params, grads, state, ss)
+    return params, state, ss
+
+
+def ckpt_trained(engine, steps, seed=0):
+    """``engine.init(ckpt_params(seed))``, then ``steps`` steps of ``ckpt_steps``."""
+    params, state, ss = engine.init(ckpt_params(seed))
+    return ckpt_steps(engine, params, state, ss, range(steps))
+
+
+def ckpt_fresh_engine(**kw):
+    """A ``ckpt_engine`` init-ed with other params than ``saved``'s: what a load must overwrite."""
+    engine = ckpt_engine(**kw)
+    engine.init(ckpt_params(seed=1))
+    return engine
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A 1-rank checkpoint and the engine/state it came from."""
+    path = str(tmp_path / "ckpt")
+    engine = ckpt_engine()
+    params, state, ss = ckpt_trained(engine, 3)
+    ck.save(path, params, state, ss, engine, extra={"epoch": 1, "seen": [1, 2]})
+    return path, engine, params, state, ss
+
+
+def ckpt_paths_shapes():
+    """The leaf paths and shapes of ``ckpt_params``, in tree order."""
+    layout = fzero.make_layout(ckpt_params(), 1)
+    return list(layout.paths), list(layout.shapes)
+
+
+def global_view(engine, state, ss):
+    """Every state leaf as the global [P] vector (real elements, tree order) or 0-d value."""
+    names, leaves, _ = fzero.flat.leaf_paths(state)
+    out = {}
+    for name, leaf in zip(names, leaves):
+        if leaf.ndim == 0:
+            out[name] = leaf.clone()
+            continue
+        flat = engine.comm.all_gather(leaf.float() if leaf.dtype == torch.bool else leaf, engine.layout)
+        full = torch.cat([x.reshape(-1) for x in optree.tree_leaves(fzero.unflatten(flat, engine.layout))])
+        out[name] = full.bool() if leaf.dtype == torch.bool else full.clone()
+    for name, v in zip(type(ss)._fields, ss):
+        out["scaler/" + name] = v.clone()
+    return out
+
+
+def assert_views_equal(a, b):
+    """Two ``global_view``s are bitwise equal, leaf by leaf."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def snapshot_dir(path):
+    """The snapshot directory the checkpoint at ``path`` points to."""
+    with open(os.path.join(path, commit.POINTER)) as f:
+        return os.path.join(path, json.load(f)["snapshot"])
+
+
+def ckpt_entries(path):
+    """``path``'s listing, with each snapshot name shown as ``snapshot-*``."""
+    return sorted(re.sub(r"^snapshot-[0-9a-f]{32}$", "snapshot-*", name) for name in os.listdir(path))
+
+
+CKPT_ONE = sorted([commit.POINTER, commit.MARKER, lock.LOCK, "snapshot-*"])  # after the first save
+
+
+CKPT_COMMITTED = sorted(CKPT_ONE + ["snapshot-*"])  # after two saves or more
+
+
+def flip_byte(file, from_end=5):
+    """Invert the byte ``from_end`` bytes before the end of ``file`` (in a shard: tensor data)."""
+    with open(file, "r+b") as f:
+        f.seek(-from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def file_contents(path):
+    """Every file under ``path`` (hidden ones too) and its bytes."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            with open(file, "rb") as f:
+                out[os.path.relpath(file, path)] = f.read()
+    return out
+
+
+def edit_manifest(path, edit):
+    """Rewrite the current manifest's text with ``edit(text)`` and put its sha256 in the pointer,
+    so that only the validation of its values can catch the change."""
+    file = os.path.join(snapshot_dir(path), "manifest.json")
+    with open(file) as f:
+        text = edit(f.read())
+    with open(file, "w") as f:
+        f.write(text)
+    pointer = os.path.join(path, commit.POINTER)
+    with open(pointer) as f:
+        p = json.load(f)
+    p["manifest_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    with open(pointer, "w") as f:
+        json.dump(p, f)
+
+
+def tagged(state, ss, tag):
+    """``state``/``ss`` with every part saying ``tag``: master and moments filled with it, both
+    counts equal to it, weight decay ``tag / 100``, loss scale ``tag + 1``."""
+    adam, decay, sched = state.tx_state
+    count = torch.tensor(tag, dtype=torch.int32)
+    adam = adam._replace(count=count, mu=torch.full_like(adam.mu, tag), nu=torch.full_like(adam.nu, tag))
+    decay = decay._replace(inner=decay.inner._replace(weight_decay=torch.tensor(tag / 100, dtype=torch.float64)))
+    state = fzero.ZeroState(torch.full_like(state.master, tag), (adam, decay, sched._replace(count=count)))
+    return state, ss._replace(scale=torch.tensor(tag + 1.0))
+
+
+def mixed_parts(engine, state, ss, extra):
+    """The parts of a loaded checkpoint that do not say ``extra["tag"]`` (empty: consistent)."""
+    tag = extra["tag"]
+    real = torch.zeros(engine.layout.shard_numel, dtype=torch.bool)  # padding is not stored: zero
+    for g0, g1, pos in engine.layout.owned(engine.comm.rank):
+        real[pos : pos + g1 - g0] = True
+    adam, decay, sched = state.tx_state
+    checks = {
+        "master": bool((state.master[real] == tag).all()),
+        "mu": bool((adam.mu[real] == tag).all()),
+        "nu": bool((adam.nu[real] == tag).all()),
+        "count": int(adam.count) == tag,
+        "schedule count": int(sched.count) == tag,
+        "weight_decay": float(decay.inner.weight_decay) == tag / 100,
+        "loss scale": float(ss.scale) == tag + 1,
+    }
+    return [name for name, ok in checks.items() if not ok]

@@ -37,6 +37,7 @@ __all__ = [
     "set_hyperparams",
     "get_hyperparams",
     "iter_hyperparams",
+    "named_tuples",
     "check_hyperparam",
     "apply_updates",
 ]
@@ -249,23 +250,24 @@ def apply_updates(params, updates):
     return optree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
 
 
-def _named_tuples(tree):
-    """Yield every NamedTuple node of ``tree`` (depth first)."""
+def named_tuples(tree):
+    """Yield every NamedTuple node of ``tree`` (depth first): the state NamedTuples of a
+    transform state, e.g. to find its ``MaskedState`` nodes."""
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         yield tree
     if isinstance(tree, (tuple, list)):
         for child in tree:
-            yield from _named_tuples(child)
+            yield from named_tuples(child)
     elif isinstance(tree, dict):
         for child in tree.values():
-            yield from _named_tuples(child)
+            yield from named_tuples(child)
 
 
 def iter_hyperparams(state):
     """Yield ``(name, tensor)`` for every hyperparameter field of ``state`` -- a 0-d tensor
     named in a state NamedTuple's ``HYPERPARAMS`` -- depth first, one pair per field (two
     transforms with an ``lr`` give two pairs)."""
-    for node in _named_tuples(state):
+    for node in named_tuples(state):
         for name in getattr(type(node), "HYPERPARAMS", ()):
             yield name, getattr(node, name)
 

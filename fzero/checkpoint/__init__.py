@@ -12,13 +12,14 @@ group)::
 A checkpoint is a directory of immutable snapshots and a pointer to the current one; a save
 writes a new snapshot, then commits it by atomically replacing the pointer (the protocol, and
 what a crash at each point leaves: :mod:`fzero.checkpoint.commit`); saves to one path exclude
-each other (a lock). A snapshot holds one
-safetensors file per rank and ``manifest.json`` (:mod:`fzero.checkpoint.manifest`). Each
-rank's file holds the real elements of its shard in *global* coordinates -- ranges of the
-params' leaves concatenated in tree order, without padding -- so a load at any world size,
-alignment or bucketing reads, from each old file, only the ranges its new shard needs
-(:mod:`fzero.checkpoint.reshard`). The manifest, the pointer and the marker are small strict JSON
-files, checked field by field when read (:mod:`fzero.checkpoint.strict_json`).
+each other (:mod:`fzero.checkpoint.lock`). A snapshot holds one safetensors file per rank and
+``manifest.json`` (:mod:`fzero.checkpoint.manifest`). Each rank's file holds the real elements
+of its shard in *global* coordinates -- ranges of the params' leaves concatenated in tree
+order, without padding -- so a load at any world size, alignment or bucketing checks the
+snapshot against its engine (:mod:`fzero.checkpoint.snapshot`), then reads, from each old file,
+only the ranges its new shard needs (:mod:`fzero.checkpoint.reshard`). The manifest, the pointer
+and the marker are small strict JSON files, checked field by field when read
+(:mod:`fzero.checkpoint.strict_json`).
 
 0-d leaves (step counts, hyperparameters, the loss-scale state) are identical on every rank;
 rank 0's values are stored in the manifest as exact JSON numbers with their dtype. Params are
@@ -44,84 +45,33 @@ step computes -- so ``load`` rebuilds them bit for bit. The manifest's ``step`` 
 * What is hand-written is only the small JSON manifest (layout, segments, scalars,
   checksums) and the commit protocol; no tensor bytes are in a home-made format.
 
-**Errors are agreed.** Every phase that may fail on some ranks (filesystem errors, a missing,
-truncated or corrupted shard, a checkpoint of another model) ends with one small
-``all_gather_object`` of each rank's error (or ``None``); if any rank failed, *every* rank
-raises the same :class:`CheckpointError`, naming the rank(s), the file and, for a model or
-state mismatch, the leaf. No rank is left waiting in a collective for a rank that gave up.
-A rank that dies outright ends the others' wait through the process group (gloo reports the
-closed connection at once; NCCL through its timeout/watchdog).
+**Errors are agreed**: a phase that fails on some ranks raises the same ``CheckpointError`` on
+every rank, naming them (:mod:`fzero.checkpoint.collective`). ``export_full``: :mod:`fzero.checkpoint.export`.
 """
 from __future__ import annotations
 
 import os
 import shutil
-import uuid
 import warnings
 from typing import Any, Callable
 
-import optree
 import torch
 
 from .. import lineage
 from ..engine import Engine, ZeroState, cast_params
-from ..flat import Layout, leaf_paths, unflatten
+from ..flat import leaf_paths, unflatten
 from ..scaler import LossScaleState
-from . import commit, manifest, reshard
-from .commit import _need_safetensors, _no_hook
+from . import commit, lock, manifest, reshard
+from .collective import agree, ready
+from .commit import need_safetensors, no_hook
+from .export import EXPORT_FORMAT, export_full
 from .manifest import FORMAT
-from .strict_json import VERSION, CheckpointError, _dtype_name
+from .snapshot import open_snapshot, read_snapshot_manifest, verify_snapshot
+from .strict_json import VERSION, CheckpointError
 
 __all__ = ["CheckpointError", "save", "load", "export_full", "read_manifest", "recover", "FORMAT", "VERSION"]
 
-EXPORT_FORMAT = "fzero-export"
 HYPERPARAMS_FROM = ("engine", "checkpoint")
-
-
-def _agree(comm, what: str, fn: Callable[[], Any], *, gather: bool = False):
-    """Run ``fn`` on every rank, then one ``all_gather_object`` of each rank's error (and, with
-    ``gather``, its small picklable result). If any rank failed, every rank raises the same
-    :class:`CheckpointError` naming the failing ranks. Returns this rank's result, or with
-    ``gather`` the list of every rank's. ``what`` names the phase in errors."""
-    try:
-        result, err, exc = fn(), None, None
-    except Exception as e:  # noqa: BLE001 -- reported to every rank, then raised
-        result, err, exc = None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}", e
-    if comm.data_parallel == 1:
-        if exc is not None:
-            if isinstance(exc, CheckpointError):
-                raise exc
-            raise CheckpointError(err) from exc
-        return [result] if gather else result
-    try:
-        gathered = comm.all_gather_object((err, result if gather else None))
-    except Exception as e:  # noqa: BLE001 -- a dead rank, a timeout: the group itself failed
-        raise CheckpointError(
-            f"{what}: rank {comm.rank} could not agree with the other ranks (did one die?): {type(e).__name__}: {e}"
-        ) from (exc or e)
-    failed: dict[str, list[int]] = {}
-    for rank, (e, _) in enumerate(gathered):
-        if e is not None:
-            failed.setdefault(e, []).append(rank)
-    if failed:
-        msg = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {e}" for e, r in failed.items())
-        raise CheckpointError(f"{what}: {msg}") from exc
-    return [r for _, r in gathered] if gather else result
-
-
-def _ready(engine: Engine):
-    if engine.layout is None:
-        raise RuntimeError("fzero.checkpoint needs an engine after engine.init (it supplies the layout)")
-    comm = engine.comm
-    if getattr(comm, "simulated", False):
-        raise RuntimeError("cannot checkpoint a simulated engine (zero1(simulate=...))")
-    comm.check_unchanged()
-    return engine.layout, comm
-
-
-def _check_params(params, layout: Layout) -> None:
-    if optree.tree_structure(params) != layout.treespec:
-        raise CheckpointError("params do not have the structure the engine was initialized with")
 
 
 def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tuple:
@@ -136,12 +86,12 @@ def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tupl
     # the FP32 master joined from this rank's shard of them and the remainder
     # (params edited since the step, or of another step with the remainder, raise here)
     names, leaves, _ = leaf_paths(engine.with_fp32_master(params, state, where="checkpoint.save"))
-    kinds = manifest._classify(names, leaves, engine.layout.shard_numel)
-    return names, leaves, kinds, manifest._extra_json(extra)
+    kinds = manifest.classify(names, leaves, engine.layout.shard_numel)
+    return names, leaves, kinds, manifest.extra_json(extra)
 
 
 def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engine: Engine, *,
-         extra: dict | None = None, _hook: Callable = _no_hook) -> None:
+         extra: dict | None = None, _hook: Callable = no_hook) -> None:
     """Save a checkpoint of ``(state, scaler_state)`` to the directory ``path``; collective.
 
     Writes a new snapshot directory inside ``path`` (each rank the real elements of its own
@@ -162,42 +112,42 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     NaN or infinity; rank 0's is saved), e.g. the data loader's position; its ``"step"``, if
     any, must be an integer >= 0 and becomes the manifest's ``step``.
     """
-    layout, comm = _ready(engine)
+    layout, comm = ready(engine)
     comm.arrive("checkpoint.save", timeout=engine.call_timeout)
     path = os.path.abspath(os.fspath(path))
     rank, n, what = comm.rank, comm.world_size, f"save {path}"
     # With replicas (a hybrid mesh) the first replica's shard ranks write; the others only agree.
     writer = comm.replica == 0
     lead = writer and rank == 0
-    names, leaves, kinds, extra_text = _agree(comm, what, lambda: _check_save_args(params, state, scaler_state, engine, extra))
+    names, leaves, kinds, extra_text = agree(comm, what, lambda: _check_save_args(params, state, scaler_state, engine, extra))
     held, committed = {}, []  # rank 0: the save lock and the new snapshot's name, once taken
     try:
-        snapshot = _agree(comm, what, lambda: commit._begin(path, held, _hook) if lead else None, gather=True)[0]
+        snapshot = agree(comm, what, lambda: commit.begin(path, held, _hook) if lead else None, gather=True)[0]
         directory = os.path.join(path, snapshot)
         owned = layout.owned(rank)
-        files = _agree(
-            comm, what, lambda: commit._write_shard(directory, rank, n, names, leaves, kinds, owned, _hook) if writer else None,
+        files = agree(
+            comm, what, lambda: commit.write_shard(directory, rank, n, names, leaves, kinds, owned, _hook) if writer else None,
             gather=True,
         )[:n]  # replica-major: the first replica's, in shard order
 
         def finish():
             if lead:
-                m = manifest._manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, files)
-                digest = commit._write_manifest(directory, m, _hook)
-                commit._commit(path, snapshot, digest, _hook)
+                m = manifest.build_manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, files)
+                digest = commit.write_manifest(directory, m, _hook)
+                commit.commit_snapshot(path, snapshot, digest, _hook)
                 committed.append(snapshot)
 
-        _agree(comm, what, finish)
+        agree(comm, what, finish)
     except CheckpointError:
         if "snapshot" in held and not committed:  # the pointer still names the previous snapshot
             shutil.rmtree(os.path.join(path, held["snapshot"]), ignore_errors=True)
         raise
     finally:
         if "lock" in held:
-            commit._unlock(held["lock"])
+            lock.release(held["lock"])
 
 
-def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engine", _hook: Callable = _no_hook):
+def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engine", _hook: Callable = no_hook):
     """Load the checkpoint at ``path`` into ``engine``'s layout; collective.
 
     ``engine`` must have been ``init``-ed with params of the same model (a fresh init is fine),
@@ -234,25 +184,25 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     """
     if hyperparams not in HYPERPARAMS_FROM:
         raise ValueError(f"hyperparams must be one of {HYPERPARAMS_FROM}, got {hyperparams!r}")
-    _need_safetensors()
-    layout, comm = _ready(engine)
+    need_safetensors()
+    layout, comm = ready(engine)
     comm.arrive("checkpoint.load", timeout=engine.call_timeout)
     path = os.path.abspath(os.fspath(path))
     rank, what = comm.rank, f"load {path}"
-    given = _agree(comm, what, lambda: (path, commit._resolve(path) if rank == 0 else None), gather=True)
+    given = agree(comm, what, lambda: (path, commit.resolve(path) if rank == 0 else None), gather=True)
     snapshot, digest = given[0][1]
     _same_checkpoint(path, [p for p, _ in given], snapshot, comm, what)
     _hook("resolved", snapshot=snapshot)
-    m, t = _agree(comm, what, lambda: reshard._open_snapshot(path, snapshot, digest, engine, layout))
+    m, t = agree(comm, what, lambda: open_snapshot(path, snapshot, digest, engine, layout))
     if verify:
         owned = [layout.owned(r) for r in range(layout.world_size)]
-        _agree(comm, what, lambda: reshard._check_sums(path, snapshot, m["files"], owned, rank))
+        agree(comm, what, lambda: reshard.check_sums(path, snapshot, m["files"], owned, rank))
     _hook("verified", snapshot=snapshot)
-    leaves, scaler, differ, masks = _agree(
-        comm, what, lambda: reshard._read_state(path, snapshot, m, t, layout.owned(rank), engine, hyperparams)
+    leaves, scaler, differ, masks = agree(
+        comm, what, lambda: reshard.read_state(path, snapshot, m, t, layout.owned(rank), engine, hyperparams)
     )
     if masks is not None:  # every rank's counts over its own elements (the first replica's: the others hold the same)
-        masks = reshard._mask_differences(_agree(comm, what, lambda: masks, gather=True)[: layout.world_size])
+        masks = reshard.mask_differences(agree(comm, what, lambda: masks, gather=True)[: layout.world_size])
     items = [f"{name}: checkpoint {saved!r}, engine {mine!r}" for name, saved, mine in differ] + (masks or [])
     if items and hyperparams == "engine" and rank == 0 and comm.replica == 0:
         warnings.warn(f"load {path}: the optimizer's configuration (hyperparameters, masks) differs from the "
@@ -273,7 +223,7 @@ def _same_checkpoint(path: str, paths: list[str], snapshot: str, comm, what: str
     each rank's path."""
     if len(set(paths)) == 1:
         return
-    found = _agree(comm, what, lambda: os.path.isdir(os.path.join(path, snapshot)), gather=True)
+    found = agree(comm, what, lambda: os.path.isdir(os.path.join(path, snapshot)), gather=True)
     if all(found):
         return  # one checkpoint reached by different paths (or an exact copy of it)
     by_path: dict[str, list[int]] = {}
@@ -291,7 +241,7 @@ def read_manifest(path) -> dict:
     """The parsed, validated manifest of the checkpoint at ``path`` (the snapshot its
     ``current.json`` names); no process group needed."""
     path = os.path.abspath(os.fspath(path))
-    return reshard._read_snapshot_manifest(path, *commit._resolve(path))
+    return read_snapshot_manifest(path, *commit.resolve(path))
 
 
 def recover(path, snapshot: str | None = None) -> str:
@@ -311,23 +261,23 @@ def recover(path, snapshot: str | None = None) -> str:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: it does not exist or is not a directory")
-    if snapshot is not None and not (commit._SNAPSHOT.fullmatch(snapshot) and os.path.isdir(os.path.join(path, snapshot))):
+    if snapshot is not None and not (commit.SNAPSHOT.fullmatch(snapshot) and os.path.isdir(os.path.join(path, snapshot))):
         raise CheckpointError(f"no snapshot {snapshot!r} in {path}")
-    if snapshot is None and not commit._complete_snapshots(path):
+    if snapshot is None and not commit.complete_snapshots(path):
         raise CheckpointError(f"no snapshot in {path} has a valid {manifest.MANIFEST}")
-    lock = commit._lock(path)
+    fd = lock.acquire(path)
     try:
         if snapshot is None:
             try:  # intact: nothing to do
-                current, digest = commit._read_pointer(path)
-                reshard._read_snapshot_manifest(path, current, digest)
+                current, digest = commit.read_pointer(path)
+                read_snapshot_manifest(path, current, digest)
                 return current
             except (OSError, CheckpointError):
                 pass
             problems = []
-            for name, _ in reversed(commit._complete_snapshots(path)):
+            for name, _ in reversed(commit.complete_snapshots(path)):
                 try:
-                    digest = reshard._verify_snapshot(path, name)
+                    digest = verify_snapshot(path, name)
                 except CheckpointError as e:
                     problems.append(f"{name}: {e}")
                     continue
@@ -336,60 +286,11 @@ def recover(path, snapshot: str | None = None) -> str:
             else:
                 raise CheckpointError(f"no snapshot in {path} passes verification: {'; '.join(problems)}")
         else:
-            digest = reshard._verify_snapshot(path, snapshot)
-        recorded = commit._recorded(path)
+            digest = verify_snapshot(path, snapshot)
+        recorded = commit.recorded_snapshots(path)
         if snapshot not in recorded:
-            commit._write_marker(path, recorded + [snapshot])
-        commit._write_pointer(path, snapshot, digest, _no_hook)
+            commit.write_marker(path, recorded + [snapshot])
+        commit.write_pointer(path, snapshot, digest, no_hook)
         return snapshot
     finally:
-        commit._unlock(lock)
-
-
-def export_full(path, params_or_state, engine: Engine) -> None:
-    """Write one consolidated safetensors file at ``path``, keyed by leaf path
-    (``"blocks/0/attn/qkv_w"``): the FP32 master weights when given the ``ZeroState`` (an
-    all-gather: call on every rank), or the ``param_dtype`` params when given the params.
-    Rank 0 writes it (to a temporary file, then an atomic rename); collective.
-
-    For an ``nn.Module``: ``module.load_state_dict({k.replace("/", "."): v for k, v in
-    safetensors.torch.load_file(path).items()})``.
-    """
-    _need_safetensors()
-    layout, comm = _ready(engine)
-    comm.arrive("checkpoint.export_full", timeout=engine.call_timeout)
-    path = os.path.abspath(os.fspath(path))
-    if isinstance(params_or_state, ZeroState):
-        master = params_or_state.master
-        if master.dtype != torch.float32:
-            raise CheckpointError(f"state.master is {master.dtype}, not the FP32 master (an engine with master='remainder'?): "
-                                  "export_full(path, engine.with_fp32_master(params, state), engine)")
-        if master.shape != (layout.shard_numel,):
-            raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
-        with torch.no_grad():
-            flat = comm.all_gather(master.detach().to(engine.device), layout)
-        leaves = optree.tree_leaves(unflatten(flat, layout))
-        kind = "master"
-    else:
-        _check_params(params_or_state, layout)
-        leaves = optree.tree_leaves(params_or_state)
-        kind = "params"
-
-    def write():
-        if comm.rank != 0 or comm.replica != 0:
-            return None
-        tensors = {p: leaf.detach().to("cpu").clone().contiguous() for p, leaf in zip(layout.paths, leaves)}
-        meta = {"format": EXPORT_FORMAT, "kind": kind, "dtype": _dtype_name(leaves[0].dtype)}
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        try:
-            commit.save_file(tensors, tmp, metadata=meta)
-            commit._sha256(tmp, fsync=True)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        commit._fsync_dir(os.path.dirname(path))
-        return None
-
-    _agree(comm, f"export_full {path}", write)
+        lock.release(fd)

@@ -13,7 +13,7 @@ A snapshot directory is written once, by one save, and never modified; its name
 ``snapshot-<uuid4 hex>`` is never reused. ``save``:
 
 1. rank 0 creates ``path`` if needed (an existing non-empty directory without the marker is not
-   fzero's: refused), takes the save lock (below), records the new snapshot's name in the
+   fzero's: refused), takes the save lock, records the new snapshot's name in the
    marker, then creates the snapshot directory (so every snapshot fzero creates is recorded
    before it exists);
 2. every rank writes and fsyncs its shard file in it and reports the file's sha256;
@@ -34,15 +34,10 @@ deletes nothing else: no sibling of ``path``, no file or directory in ``path`` t
 does not record. A symlink at ``path`` stays; the checkpoint is written into its target.
 ``path`` must be on a filesystem that every rank sees (a shared filesystem on several nodes).
 
-**One save at a time.** Rank 0 holds an exclusive ``flock`` on ``path/.fzero-checkpoint.lock``
-from step 1 to the end of step 5. A save that finds it held (another job saving to the same
-path: the orphaned workers of a killed launcher, two runs given one output directory) fails at
-step 1, on every rank, having changed nothing, with the holder's pid and host in the error.
-The kernel drops an flock when its process ends, however it ends (kill -9 included), so a
-crashed save never leaves the path locked; the file itself stays (deleting a lock file races
-with the next locker). So every marker update is made by the one save that holds the lock, and
-every snapshot is recorded before it exists: none is ever left behind unrecorded. Loads take
-no lock (any number of readers, racing saves).
+**One save at a time.** Rank 0 holds the save lock (:mod:`fzero.checkpoint.lock`) from step 1 to
+the end of step 5, so every marker update is made by the one save that holds it, and every
+snapshot is recorded before it exists: none is ever left behind unrecorded. Loads take no lock
+(any number of readers, racing saves).
 
 **A lost pointer.** If ``current.json`` is missing or unreadable when a save commits, the save
 cannot tell which snapshot it named; it keeps every recorded snapshot that holds a
@@ -56,47 +51,53 @@ and points ``current.json`` at it.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
-import socket
-import time
 import uuid
 import warnings
 from typing import Callable
 
 from ..flat import concat
-from .manifest import FORMAT, MANIFEST, _SHA256, _validate_manifest
-from .strict_json import VERSION, CheckpointError, _check_header, _dump_json, _Fields, _parse_json
+from . import lock
+from .lock import LOCK
+from .manifest import FORMAT, MANIFEST, SHA256, validate_manifest
+from .strict_json import VERSION, CheckpointError, Fields, check_header, dump_json, parse_json
+
+__all__ = [
+    "POINTER", "MARKER", "MARKER_FORMAT", "SNAPSHOT", "save_file", "no_hook", "need_safetensors", "fsync_dir",
+    "file_sha256", "read_pointer", "write_pointer", "read_marker", "write_marker", "resolve", "complete_snapshots",
+    "recorded_snapshots", "begin", "write_shard", "write_manifest", "commit_snapshot",
+]
 
 try:  # a declared dependency; guarded so that ``import fzero`` works without it
     from safetensors.torch import save_file
 except ImportError:  # pragma: no cover
     save_file = None
 
-POINTER = "current.json"
+POINTER = "current.json"  # names of the pointer and the marker in a checkpoint directory
 MARKER = "fzero-checkpoint.json"
 MARKER_FORMAT = "fzero-checkpoint-directory"
-LOCK = ".fzero-checkpoint.lock"
 
-_SNAPSHOT = re.compile(r"snapshot-[0-9a-f]{32}")
+SNAPSHOT = re.compile(r"snapshot-[0-9a-f]{32}")  # a snapshot directory's name
 _OWN_TMP = re.compile(r"\.(%s|%s)\.tmp-[0-9a-f]{12}" % (re.escape(POINTER), re.escape(MARKER)))
 
 
-def _no_hook(point: str, **info) -> None:
+def no_hook(point: str, **info) -> None:
     """The default ``_hook``: does nothing."""
 
 
-def _need_safetensors() -> None:
+def need_safetensors() -> None:
+    """``ImportError`` saying how to install safetensors if it is missing."""
     if save_file is None:
         raise ImportError("fzero.checkpoint needs the safetensors package: pip install safetensors")
 
 
 # ---------------------------------------------------------------------------------- files
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync the directory ``path`` (so a rename or a new file in it is durable); best effort."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -109,7 +110,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _sha256(path: str, *, fsync: bool = False) -> tuple[str, int]:
+def file_sha256(path: str, *, fsync: bool = False) -> tuple[str, int]:
     """``(sha256 hex, size)`` of the file; with ``fsync``, fsynced first."""
     h = hashlib.sha256()
     size = 0
@@ -129,7 +130,7 @@ def _write_synced(file: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_atomic(directory: str, name: str, data: bytes, hook: Callable = _no_hook, point: str | None = None) -> None:
+def _write_atomic(directory: str, name: str, data: bytes, hook: Callable = no_hook, point: str | None = None) -> None:
     """Replace ``directory/name`` by ``data`` atomically: write ``.<name>.tmp-<id>``, fsync it,
     ``os.replace`` it onto ``name``, fsync the directory."""
     tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
@@ -142,47 +143,49 @@ def _write_atomic(directory: str, name: str, data: bytes, hook: Callable = _no_h
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 # ---------------------------------------------------------------------------------- pointer and marker
-def _read_small_json(file: str, kind: str, format: str) -> tuple[dict, _Fields]:
+def _read_small_json(file: str, kind: str, format: str) -> tuple[dict, Fields]:
     with open(file, "rb") as f:
-        obj = _parse_json(f.read(), file)
-    return obj, _check_header(obj, file, kind, format)
+        obj = parse_json(f.read(), file)
+    return obj, check_header(obj, file, kind, format)
 
 
-def _read_pointer(path: str) -> tuple[str, str]:
+def read_pointer(path: str) -> tuple[str, str]:
     """``(snapshot name, sha256 of its manifest)`` from ``path/current.json``."""
     p, c = _read_small_json(os.path.join(path, POINTER), "pointer", FORMAT)
-    snapshot = c.string("snapshot", c.get(p, "snapshot"), _SNAPSHOT)
-    return snapshot, c.string("manifest_sha256", c.get(p, "manifest_sha256"), _SHA256)
+    snapshot = c.string("snapshot", c.get(p, "snapshot"), SNAPSHOT)
+    return snapshot, c.string("manifest_sha256", c.get(p, "manifest_sha256"), SHA256)
 
 
-def _write_pointer(path: str, snapshot: str, digest: str, hook: Callable) -> None:
-    data = _dump_json({"format": FORMAT, "version": VERSION, "snapshot": snapshot, "manifest_sha256": digest})
+def write_pointer(path: str, snapshot: str, digest: str, hook: Callable) -> None:
+    """Point ``path/current.json`` at ``snapshot`` (its manifest's sha256: ``digest``), atomically."""
+    data = dump_json({"format": FORMAT, "version": VERSION, "snapshot": snapshot, "manifest_sha256": digest})
     _write_atomic(path, POINTER, data, hook, "pointer_written")
 
 
-def _read_marker(path: str) -> list[str]:
+def read_marker(path: str) -> list[str]:
     """The snapshot names fzero recorded in ``path/fzero-checkpoint.json``."""
     m, c = _read_small_json(os.path.join(path, MARKER), "marker", MARKER_FORMAT)
     names = c.sequence("snapshots", c.get(m, "snapshots"))
-    return [c.string(f"snapshots[{i}]", name, _SNAPSHOT) for i, name in enumerate(names)]
+    return [c.string(f"snapshots[{i}]", name, SNAPSHOT) for i, name in enumerate(names)]
 
 
-def _write_marker(path: str, snapshots: list[str]) -> None:
-    _write_atomic(path, MARKER, _dump_json({"format": MARKER_FORMAT, "version": VERSION, "snapshots": snapshots}))
+def write_marker(path: str, snapshots: list[str]) -> None:
+    """Record ``snapshots`` in ``path/fzero-checkpoint.json``, atomically."""
+    _write_atomic(path, MARKER, dump_json({"format": MARKER_FORMAT, "version": VERSION, "snapshots": snapshots}))
 
 
-def _resolve(path: str) -> tuple[str, str]:
+def resolve(path: str) -> tuple[str, str]:
     """``(snapshot, manifest sha256)`` that the checkpoint at ``path`` currently points to."""
     if not os.path.lexists(path):
         raise CheckpointError(f"no checkpoint at {path}: it does not exist")
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: it is not a directory")
     try:
-        return _read_pointer(path)
+        return read_pointer(path)
     except FileNotFoundError:
         if os.path.isfile(os.path.join(path, MANIFEST)):
             raise CheckpointError(f"{path} is a checkpoint of format version 1 (a {MANIFEST}, no {POINTER}); "
@@ -193,7 +196,7 @@ def _resolve(path: str) -> tuple[str, str]:
             problem = f"no checkpoint at {path}: {os.path.join(path, POINTER)} is missing"
     except (OSError, CheckpointError) as e:
         problem = f"no checkpoint at {path}: {POINTER} is damaged ({e})"
-    complete = _complete_snapshots(path)
+    complete = complete_snapshots(path)
     if not complete:
         raise CheckpointError(f"{problem}; no snapshot in it has a valid {MANIFEST}")
     listed = ", ".join(f"{name} ({'no step' if step is None else f'step {step}'})" for name, step in complete)
@@ -204,60 +207,21 @@ def _resolve(path: str) -> tuple[str, str]:
     )
 
 
-def _complete_snapshots(path: str) -> list[tuple[str, int | None]]:
+def complete_snapshots(path: str) -> list[tuple[str, int | None]]:
     """``(name, step)`` of every snapshot directory in ``path`` whose ``manifest.json`` is
     valid (its shards are not checked), oldest manifest first."""
     found = []
     for name in os.listdir(path):
         file = os.path.join(path, name, MANIFEST)
-        if not _SNAPSHOT.fullmatch(name):
+        if not SNAPSHOT.fullmatch(name):
             continue
         try:
             with open(file, "rb") as f:
-                manifest = _validate_manifest(_parse_json(f.read(), file), file)
+                manifest = validate_manifest(parse_json(f.read(), file), file)
             found.append((os.path.getmtime(file), name, manifest["step"]))
         except (OSError, CheckpointError):
             continue
     return [(name, step) for _, name, step in sorted(found)]
-
-
-# ---------------------------------------------------------------------------------- the save lock
-def _lock(path: str) -> int:
-    """Take the save lock of the checkpoint directory ``path``: an exclusive, non-blocking
-    ``flock`` on ``path/.fzero-checkpoint.lock``; its file descriptor, for :func:`_unlock`.
-    Held: ``CheckpointError`` naming the holder (it writes its pid, host and start time into the
-    file). The kernel releases the lock when the holder's process ends, however it ends."""
-    file = os.path.join(path, LOCK)
-    fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        for _ in range(10):  # the holder writes who it is just after taking the lock
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
-            if holder:
-                break
-            time.sleep(0.01)
-        os.close(fd)
-        holder = holder or "holder unknown"
-        raise CheckpointError(
-            f"another save to {path} is in progress ({holder}); this save changed nothing: saves to one path "
-            "exclude each other (wait for that one, stop its process, or save elsewhere)"
-        ) from None
-    except OSError as e:
-        os.close(fd)
-        raise CheckpointError(f"cannot lock {file} ({e}): a checkpoint needs a filesystem with flock") from e
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode(), 0)
-    return fd
-
-
-def _unlock(fd: int) -> None:
-    """Release a lock from :func:`_lock` (explicitly: a forked child sharing the descriptor
-    would otherwise keep it)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------- save steps
@@ -278,30 +242,30 @@ def _open_dir(path: str) -> None:
                               f"checkpoint directory of format version {VERSION} (no {MARKER})")
 
 
-def _begin(path: str, held: dict, hook: Callable) -> str:
+def begin(path: str, held: dict, hook: Callable) -> str:
     """Rank 0, step 1: the save lock (into ``held["lock"]``), then a new snapshot name
     (``held["snapshot"]``), recorded in the marker, then its directory."""
     _open_dir(path)
-    held["lock"] = _lock(path)
-    recorded = _read_marker(path) if os.path.isfile(os.path.join(path, MARKER)) else []
+    held["lock"] = lock.acquire(path)
+    recorded = read_marker(path) if os.path.isfile(os.path.join(path, MARKER)) else []
     for name in os.listdir(path):  # temporary files of an interrupted save (names fzero reserves)
         if _OWN_TMP.fullmatch(name):
             os.remove(os.path.join(path, name))
     snapshot = f"snapshot-{uuid.uuid4().hex}"
-    _write_marker(path, recorded + [snapshot])
+    write_marker(path, recorded + [snapshot])
     held["snapshot"] = snapshot
     os.mkdir(os.path.join(path, snapshot))
-    _fsync_dir(path)
+    fsync_dir(path)
     hook("snapshot_created", dir=os.path.join(path, snapshot))
     return snapshot
 
 
-def _write_shard(directory, rank, world_size, names, leaves, kinds, owned, hook: Callable) -> dict:
+def write_shard(directory, rank, world_size, names, leaves, kinds, owned, hook: Callable) -> dict:
     """Step 2, every rank: its shard file in the snapshot directory; its manifest entry.
 
     ``owned``: the rank's ``Layout.owned`` ranges; each ``[S]`` leaf is stored as the real
     elements of those ranges, back to back (no padding)."""
-    _need_safetensors()
+    need_safetensors()
     fname = f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
     file = os.path.join(directory, fname)
     segments = [[g0, g1] for g0, g1, _ in owned]
@@ -314,34 +278,34 @@ def _write_shard(directory, rank, world_size, names, leaves, kinds, owned, hook:
             "segments": json.dumps(segments)}
     save_file(tensors, file, metadata=meta)
     hook("shard_written", file=file, rank=rank)
-    sha, size = _sha256(file, fsync=True)
-    _fsync_dir(directory)
+    sha, size = file_sha256(file, fsync=True)
+    fsync_dir(directory)
     return {"file": fname, "rank": rank, "segments": segments, "bytes": size, "sha256": sha}
 
 
-def _write_manifest(directory: str, manifest: dict, hook: Callable) -> str:
+def write_manifest(directory: str, manifest: dict, hook: Callable) -> str:
     """Step 3, rank 0: validate the manifest as ``load`` will, write and fsync it; its sha256."""
     file = os.path.join(directory, MANIFEST)
-    data = _dump_json(manifest)
-    _validate_manifest(_parse_json(data, file), file)
+    data = dump_json(manifest)
+    validate_manifest(parse_json(data, file), file)
     _write_synced(file, data)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     hook("manifest_written", file=file)
     return hashlib.sha256(data).hexdigest()
 
 
-def _commit(path: str, snapshot: str, digest: str, hook: Callable) -> None:
+def commit_snapshot(path: str, snapshot: str, digest: str, hook: Callable) -> None:
     """Steps 4 and 5, rank 0: point ``current.json`` at ``snapshot``, then clean up."""
     try:
-        keep, lost = {snapshot, _read_pointer(path)[0]}, None
+        keep, lost = {snapshot, read_pointer(path)[0]}, None
     except FileNotFoundError:
         lost = f"{POINTER} is missing (no save to {path} has completed, or it was deleted)"
     except (OSError, CheckpointError) as e:
         lost = f"{POINTER} is damaged ({e})"
     if lost is not None:  # any complete snapshot may be the one it named: keep them all
-        kept = [name for name in _recorded(path) if name != snapshot and os.path.isfile(os.path.join(path, name, MANIFEST))]
+        kept = [name for name in recorded_snapshots(path) if name != snapshot and os.path.isfile(os.path.join(path, name, MANIFEST))]
         keep = {snapshot, *kept}
-    _write_pointer(path, snapshot, digest, hook)
+    write_pointer(path, snapshot, digest, hook)
     hook("committed", snapshot=snapshot)
     _cleanup(path, keep)
     if lost is not None and kept:
@@ -352,10 +316,10 @@ def _commit(path: str, snapshot: str, digest: str, hook: Callable) -> None:
         )
 
 
-def _recorded(path: str) -> list[str]:
+def recorded_snapshots(path: str) -> list[str]:
     """The marker's snapshots, or none if it cannot be read (then nothing is deleted)."""
     try:
-        return _read_marker(path)
+        return read_marker(path)
     except (OSError, CheckpointError):
         return []
 
@@ -364,10 +328,10 @@ def _cleanup(path: str, keep: set) -> None:
     """Delete the snapshots the marker records except ``keep``; then record what is left.
     Best effort: the save is committed already, and the next save tries again."""
     try:
-        recorded = _read_marker(path)
+        recorded = read_marker(path)
         for name in recorded:
             if name not in keep:
                 shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-        _write_marker(path, [name for name in recorded if os.path.lexists(os.path.join(path, name))])
+        write_marker(path, [name for name in recorded if os.path.lexists(os.path.join(path, name))])
     except (OSError, CheckpointError) as e:
         warnings.warn(f"save {path}: committed, but old snapshots were not all removed ({e}); the next save retries")

@@ -18,7 +18,7 @@ a non-finite float is written as the string ``"inf"``, ``"-inf"`` or ``"nan"``.
 
 **Validation.** Manifest, pointer and marker are parsed strictly (no ``NaN``/``Infinity``
 tokens, no out-of-range numbers, no duplicate keys: :mod:`fzero.checkpoint.strict_json`), and
-every value of the manifest is checked before use (:func:`_validate_manifest`): types (integers
+every value of the manifest is checked before use (:func:`validate_manifest`): types (integers
 are JSON integers, 0-d values JSON numbers of their dtype, dtypes known names), counts >= 0, the
 loss scale finite and > 0 (and for a ``DynamicLossScale`` engine within its ``[min_scale,
 max_scale]``), the built-in hyperparameters in the ranges their transforms accept
@@ -40,20 +40,20 @@ from transforms.base import HYPERPARAM_RULES
 
 from ..flat import Layout
 from ..scaler import LossScaleState
-from .strict_json import (
-    _DTYPES, VERSION, CheckpointError, _check_header, _dtype_name, _Fields, _json_value, _non_finite,
-)
+from .strict_json import DTYPES, VERSION, CheckpointError, Fields, check_header, dtype_name, json_value, non_finite
 
-FORMAT = "fzero-checkpoint"
-MANIFEST = "manifest.json"
+__all__ = ["FORMAT", "MANIFEST", "SHA256", "classify", "extra_json", "build_manifest", "validate_manifest"]
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_INT_RANGES = {n: torch.iinfo(d) for n, d in _DTYPES.items() if not d.is_floating_point and d != torch.bool}
+FORMAT = "fzero-checkpoint"  # the manifest's and the pointer's "format"
+MANIFEST = "manifest.json"  # its name in a snapshot directory
+
+SHA256 = re.compile(r"[0-9a-f]{64}")  # a sha256 as the manifest and the pointer write it
+_INT_RANGES = {n: torch.iinfo(d) for n, d in DTYPES.items() if not d.is_floating_point and d != torch.bool}
 _INT32_MAX = torch.iinfo(torch.int32).max
 
 
 # ---------------------------------------------------------------------------------- building
-def _classify(names, leaves, shard_numel: int) -> list[str]:
+def classify(names, leaves, shard_numel: int) -> list[str]:
     """The kind of each state leaf: ``"shard"`` (``[S]``) or ``"scalar"`` (0-d); nothing else
     can be stored."""
     kinds = []
@@ -69,18 +69,18 @@ def _classify(names, leaves, shard_numel: int) -> list[str]:
                 f"state leaf {name!r} has shape {tuple(leaf.shape)}: only [S]={shard_numel}-element shards "
                 "and 0-d tensors can be checkpointed"
             )
-        if _dtype_name(leaf.dtype) not in _DTYPES:
+        if dtype_name(leaf.dtype) not in DTYPES:
             raise CheckpointError(f"state leaf {name!r} has unsupported dtype {leaf.dtype}")
     return kinds
 
 
-def _extra_json(extra: Any) -> str:
+def extra_json(extra: Any) -> str:
     """``extra`` as strict JSON text; CheckpointError naming the key of a NaN/infinity, or a
     ``"step"`` that is not an integer >= 0 (it becomes the manifest's ``step``)."""
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise CheckpointError(f"extra must be a dict or None, got {type(extra).__name__}")
-    found = _non_finite(extra, "extra")
+    found = non_finite(extra, "extra")
     if found:
         where, value = found
         raise CheckpointError(f"{where} = {value!r}: JSON has no NaN or infinity; store it as a string or None")
@@ -93,12 +93,14 @@ def _extra_json(extra: Any) -> str:
         raise CheckpointError(f"extra is not JSON serializable: {e}") from e
 
 
-def _manifest(layout: Layout, engine, names, leaves, kinds, scaler_state, extra_text: str, files: list) -> dict:
+def build_manifest(layout: Layout, engine, names, leaves, kinds, scaler_state, extra_text: str, files: list) -> dict:
+    """The manifest of a save: ``names``/``leaves``/``kinds`` of the state (:func:`classify`),
+    ``extra_text`` from :func:`extra_json`, ``files``: each rank's shard file entry."""
     state_table = []
     for name, leaf, kind in zip(names, leaves, kinds):
-        entry = {"name": name, "kind": kind, "dtype": _dtype_name(leaf.dtype)}
+        entry = {"name": name, "kind": kind, "dtype": dtype_name(leaf.dtype)}
         if kind == "scalar":
-            entry["value"] = _json_value(leaf)
+            entry["value"] = json_value(leaf)
         state_table.append(entry)
     scale_names = list(LossScaleState._fields)
     extra = json.loads(extra_text)
@@ -106,7 +108,7 @@ def _manifest(layout: Layout, engine, names, leaves, kinds, scaler_state, extra_
         "format": FORMAT,
         "version": VERSION,
         "world_size": layout.world_size,
-        "param_dtype": _dtype_name(engine.param_dtype),
+        "param_dtype": dtype_name(engine.param_dtype),
         "step": extra.get("step"),
         "layout": {
             "numel": layout.numel,
@@ -118,8 +120,8 @@ def _manifest(layout: Layout, engine, names, leaves, kinds, scaler_state, extra_
         "state": state_table,
         "loss_scale": {
             "policy": repr(engine.loss_scale),
-            **{k: _json_value(v) for k, v in zip(scale_names, scaler_state)},
-            "dtypes": {k: _dtype_name(v.dtype) for k, v in zip(scale_names, scaler_state)},
+            **{k: json_value(v) for k, v in zip(scale_names, scaler_state)},
+            "dtypes": {k: dtype_name(v.dtype) for k, v in zip(scale_names, scaler_state)},
         },
         "extra": extra,
         "files": files,
@@ -139,9 +141,9 @@ _SCALAR_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 _NON_FINITE = ("inf", "-inf", "nan")  # how a non-finite float 0-d value is written
 
 
-def _validate_manifest(m: Any, file: str) -> dict:
+def validate_manifest(m: Any, file: str) -> dict:
     """Every field of a parsed manifest, or CheckpointError naming the first bad one."""
-    c = _check_header(m, file, "manifest", FORMAT)
+    c = check_header(m, file, "manifest", FORMAT)
     n = c.integer("world_size", c.get(m, "world_size"), lo=1)
     c.dtype("param_dtype", c.get(m, "param_dtype"), floating=True)
     if c.get(m, "step") is not None:
@@ -156,7 +158,7 @@ def _validate_manifest(m: Any, file: str) -> dict:
     return m
 
 
-def _validate_layout(c: _Fields, layout: dict) -> int:
+def _validate_layout(c: Fields, layout: dict) -> int:
     numel = c.integer("layout.numel", c.get(layout, "numel", "layout"))
     total = 0
     for i, leaf in enumerate(c.sequence("layout.leaves", c.get(layout, "leaves", "layout"))):
@@ -177,7 +179,7 @@ def _validate_layout(c: _Fields, layout: dict) -> int:
     return numel
 
 
-def _validate_state(c: _Fields, state: list) -> None:
+def _validate_state(c: Fields, state: list) -> None:
     seen = set()
     for i, entry in enumerate(state):
         c.mapping(f"state[{i}]", entry)
@@ -192,7 +194,7 @@ def _validate_state(c: _Fields, state: list) -> None:
             _validate_scalar(c, f"{f}.value", c.get(entry, "value", f), dtype, name)
 
 
-def _validate_scalar(c: _Fields, field: str, value: Any, dtype: str, name: str) -> None:
+def _validate_scalar(c: Fields, field: str, value: Any, dtype: str, name: str) -> None:
     """A 0-d value: a JSON number of its dtype (a float leaf may be "inf"/"-inf"/"nan"), then
     the range of its field name, if it is one of the built-in transforms'."""
     if dtype == "bool":
@@ -214,7 +216,7 @@ def _validate_scalar(c: _Fields, field: str, value: Any, dtype: str, name: str) 
             c.fail(field, value, need)
 
 
-def _validate_loss_scale(c: _Fields, saved: dict) -> None:
+def _validate_loss_scale(c: Fields, saved: dict) -> None:
     c.string("loss_scale.policy", c.get(saved, "policy", "loss_scale"))
     scale = c.get(saved, "scale", "loss_scale")
     if type(scale) not in (int, float) or not 0 < scale < math.inf:
@@ -227,7 +229,7 @@ def _validate_loss_scale(c: _Fields, saved: dict) -> None:
         c.dtype(f"loss_scale.dtypes[{name!r}]", dtype)
 
 
-def _validate_files(c: _Fields, files: list, world_size: int, numel: int) -> None:
+def _validate_files(c: Fields, files: list, world_size: int, numel: int) -> None:
     if len(files) != world_size:
         c.fail("files", f"{len(files)} entries", f"must list one file per rank (world_size {world_size})")
     ranges = []
@@ -245,7 +247,7 @@ def _validate_files(c: _Fields, files: list, world_size: int, numel: int) -> Non
             c.integer(f"{f}.segments[{j}][1]", seg[1], lo=g0 + 1, hi=numel)
             ranges.append((seg[0], seg[1]))
         c.integer(f"{f}.bytes", c.get(entry, "bytes", f))
-        c.string(f"{f}.sha256", c.get(entry, "sha256", f), _SHA256)
+        c.string(f"{f}.sha256", c.get(entry, "sha256", f), SHA256)
     end = 0
     for g0, g1 in sorted(ranges):
         if g0 != end:

@@ -1,16 +1,16 @@
 """How fzero reads, writes and checks the small JSON files of a checkpoint (manifest, pointer, marker).
 
-* :func:`_parse_json` is strict: no ``NaN``/``Infinity`` tokens, no numbers out of the float64
-  range, no duplicate keys; :func:`_dump_json` writes no NaN or infinity either.
-* :func:`_json_value`/:func:`_from_json_value` convert a 0-d tensor to its JSON number and back
+* :func:`parse_json` is strict: no ``NaN``/``Infinity`` tokens, no numbers out of the float64
+  range, no duplicate keys; :func:`dump_json` writes no NaN or infinity either.
+* :func:`json_value`/:func:`from_json_value` convert a 0-d tensor to its JSON number and back
   (float64 values round-trip bit for bit); a non-finite float is the string ``"inf"``,
   ``"-inf"`` or ``"nan"``.
-* :func:`_check_header` checks a parsed file's ``format`` and ``version``; the :class:`_Fields`
+* :func:`check_header` checks a parsed file's ``format`` and ``version``; the :class:`Fields`
   it returns checks the other fields, each failure a :class:`CheckpointError` naming the file
   and the field.
 
 Also :class:`CheckpointError`, the error of every checkpoint module, and the dtypes a
-checkpoint stores.
+checkpoint stores (``DTYPES``, by :func:`dtype_name`).
 """
 from __future__ import annotations
 
@@ -21,9 +21,14 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "VERSION", "DTYPES", "CheckpointError", "dtype_name", "parse_json", "dump_json", "json_value",
+    "from_json_value", "non_finite", "Fields", "check_header",
+]
+
 VERSION = 2  # of every file: manifest, pointer and marker
 
-_DTYPES = {
+DTYPES = {  # the dtypes a checkpoint stores, by name
     str(d).removeprefix("torch."): d
     for d in (
         torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -36,7 +41,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file/leaf and rank(s)."""
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``: how a checkpoint names a dtype."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -61,7 +67,7 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
-def _parse_json(data: bytes | str, file: str) -> Any:
+def parse_json(data: bytes | str, file: str) -> Any:
     """Strict JSON: no ``NaN``/``Infinity`` tokens, no numbers that overflow, no duplicate keys."""
     try:
         return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
@@ -69,24 +75,27 @@ def _parse_json(data: bytes | str, file: str) -> Any:
         raise CheckpointError(f"cannot read {file}: {e}") from e
 
 
-def _dump_json(obj: Any) -> bytes:
+def dump_json(obj: Any) -> bytes:
+    """``obj`` as the bytes of a small JSON file; ``ValueError`` on NaN or infinity."""
     return json.dumps(obj, indent=1, allow_nan=False).encode()
 
 
-def _json_value(t: torch.Tensor):
+def json_value(t: torch.Tensor):
+    """A 0-d tensor as its JSON number (a non-finite float as ``"inf"``, ``"-inf"``, ``"nan"``)."""
     v = t.item()
     if isinstance(v, float) and not math.isfinite(v):
         return repr(v)  # "inf", "-inf", "nan": kept strict JSON
     return v
 
 
-def _from_json_value(v, dtype: torch.dtype, device) -> torch.Tensor:
+def from_json_value(v, dtype: torch.dtype, device) -> torch.Tensor:
+    """The 0-d tensor of ``dtype`` on ``device`` that :func:`json_value` wrote as ``v``."""
     if isinstance(v, str):
         v = float(v)
     return torch.tensor(v, dtype=dtype, device=device)
 
 
-def _non_finite(obj: Any, where: str, seen: set[int] | None = None) -> tuple[str, float] | None:
+def non_finite(obj: Any, where: str, seen: set[int] | None = None) -> tuple[str, float] | None:
     """``(where, value)`` of the first float in ``obj`` that is NaN or infinite, else None."""
     seen = set() if seen is None else seen
     if isinstance(obj, float):
@@ -96,14 +105,14 @@ def _non_finite(obj: Any, where: str, seen: set[int] | None = None) -> tuple[str
     seen.add(id(obj))
     items = obj.items() if isinstance(obj, dict) else enumerate(obj)
     for key, value in items:
-        found = _non_finite(value, f"{where}[{key!r}]", seen)
+        found = non_finite(value, f"{where}[{key!r}]", seen)
         if found:
             return found
     return None
 
 
 # ---------------------------------------------------------------------------------- checking fields
-class _Fields:
+class Fields:
     """Checks on the parsed JSON of one file; every failure is a CheckpointError naming the file
     and the field, e.g. ``manifest field state['tx_state/0/b2'].value = 1.5: must be in [0, 1)``."""
 
@@ -147,8 +156,8 @@ class _Fields:
         return value
 
     def dtype(self, field: str, value: Any, *, floating: bool = False) -> str:
-        if not isinstance(value, str) or value not in _DTYPES or (floating and not _DTYPES[value].is_floating_point):
-            known = [n for n, d in _DTYPES.items() if d.is_floating_point or not floating]
+        if not isinstance(value, str) or value not in DTYPES or (floating and not DTYPES[value].is_floating_point):
+            known = [n for n, d in DTYPES.items() if d.is_floating_point or not floating]
             self.fail(field, value, f"must be one of {known}")
         return value
 
@@ -158,11 +167,11 @@ class _Fields:
         return value
 
 
-def _check_header(obj: Any, file: str, kind: str, format: str) -> _Fields:
+def check_header(obj: Any, file: str, kind: str, format: str) -> Fields:
     """A parsed file of ``kind`` (manifest, pointer, marker) is a JSON object of ``format`` and
     this ``VERSION``; the checker for its other fields."""
     if not isinstance(obj, dict) or obj.get("format") != format:
         raise CheckpointError(f"{file} is not an fzero checkpoint {kind}")
     if obj.get("version") != VERSION:
         raise CheckpointError(f"{file} has format version {obj.get('version')!r}; this fzero reads version {VERSION}")
-    return _Fields(file, kind)
+    return Fields(file, kind)

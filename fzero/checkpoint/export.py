@@ -1,0 +1,74 @@
+"""``export_full``: one consolidated safetensors file of the params or the FP32 master, keyed by
+leaf path (no shards, no manifest: for other tools and for ``nn.Module.load_state_dict``)."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import optree
+import torch
+
+from ..engine import Engine, ZeroState
+from ..flat import Layout, unflatten
+from . import commit
+from .collective import agree, ready
+from .strict_json import CheckpointError, dtype_name
+
+__all__ = ["EXPORT_FORMAT", "export_full"]
+
+EXPORT_FORMAT = "fzero-export"  # the file's safetensors metadata "format"
+
+
+def _check_params(params, layout: Layout) -> None:
+    """``params`` have the tree structure the engine was initialized with."""
+    if optree.tree_structure(params) != layout.treespec:
+        raise CheckpointError("params do not have the structure the engine was initialized with")
+
+
+def export_full(path, params_or_state, engine: Engine) -> None:
+    """Write one consolidated safetensors file at ``path``, keyed by leaf path
+    (``"blocks/0/attn/qkv_w"``): the FP32 master weights when given the ``ZeroState`` (an
+    all-gather: call on every rank), or the ``param_dtype`` params when given the params.
+    Rank 0 writes it (to a temporary file, then an atomic rename); collective.
+
+    For an ``nn.Module``: ``module.load_state_dict({k.replace("/", "."): v for k, v in
+    safetensors.torch.load_file(path).items()})``.
+    """
+    commit.need_safetensors()
+    layout, comm = ready(engine)
+    comm.arrive("checkpoint.export_full", timeout=engine.call_timeout)
+    path = os.path.abspath(os.fspath(path))
+    if isinstance(params_or_state, ZeroState):
+        master = params_or_state.master
+        if master.dtype != torch.float32:
+            raise CheckpointError(f"state.master is {master.dtype}, not the FP32 master (an engine with master='remainder'?): "
+                                  "export_full(path, engine.with_fp32_master(params, state), engine)")
+        if master.shape != (layout.shard_numel,):
+            raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
+        with torch.no_grad():
+            flat = comm.all_gather(master.detach().to(engine.device), layout)
+        leaves = optree.tree_leaves(unflatten(flat, layout))
+        kind = "master"
+    else:
+        _check_params(params_or_state, layout)
+        leaves = optree.tree_leaves(params_or_state)
+        kind = "params"
+
+    def write():
+        if comm.rank != 0 or comm.replica != 0:
+            return None
+        tensors = {p: leaf.detach().to("cpu").clone().contiguous() for p, leaf in zip(layout.paths, leaves)}
+        meta = {"format": EXPORT_FORMAT, "kind": kind, "dtype": dtype_name(leaves[0].dtype)}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            commit.save_file(tensors, tmp, metadata=meta)
+            commit.file_sha256(tmp, fsync=True)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        commit.fsync_dir(os.path.dirname(path))
+        return None
+
+    agree(comm, f"export_full {path}", write)

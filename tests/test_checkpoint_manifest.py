@@ -1,0 +1,160 @@
+"""The manifest (fzero.checkpoint.manifest, fzero.checkpoint.strict_json): its contents, strict
+JSON, every value validated and named on load, and refused by save as load would refuse it."""
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fzero import checkpoint as ck
+from helpers import CKPT_ONE, ckpt_entries, ckpt_fresh_engine, edit_manifest, saved, snapshot_dir
+
+
+def test_manifest_contents_and_no_pickle(saved):
+    path, engine, params, state, ss = saved
+    m = ck.read_manifest(path)
+    assert m["format"] == "fzero-checkpoint" and m["version"] == ck.VERSION == 2 and m["world_size"] == 1
+    assert m["param_dtype"] == "float16" and m["step"] is None  # extra has no "step"
+    assert [(e["path"], e["shape"], e["offset"]) for e in m["layout"]["leaves"]] == [
+        ("blocks/0/g", [13], 0), ("blocks/1/g", [3, 1, 2], 13), ("one", [1], 19), ("w", [7, 5], 20), ("z", [17, 23], 55)]
+    scalars = {e["name"]: e["value"] for e in m["state"] if e["kind"] == "scalar"}
+    assert scalars["tx_state/0/b2"] == 0.999 and scalars["tx_state/1/inner/weight_decay"] == 0.1
+    assert m["loss_scale"]["scale"] == float(ss.scale) and m["extra"] == {"epoch": 1, "seen": [1, 2]}
+    (entry,) = m["files"]
+    assert entry["segments"] == [[0, 446]] and len(entry["sha256"]) == 64
+    tensors = load_file(os.path.join(snapshot_dir(path), entry["file"]))
+    assert sorted(tensors) == ["master", "tx_state/0/mu", "tx_state/0/nu", "tx_state/1/mask"]
+    assert tensors["tx_state/1/mask"].dtype == torch.bool and tensors["master"].shape == (446,)  # no padding
+
+
+def test_manifest_step_is_extras_step(saved, tmp_path):
+    path, engine, params, state, ss = saved
+    ck.save(path, params, state, ss, engine, extra={"step": 7, "seed": 1})
+    assert ck.read_manifest(path)["step"] == 7  # not the optimizer's count (2: one step was skipped)
+    assert int(state.tx_state[0].count) == 2
+    for bad in (-1, 2.0, True, "7", None):
+        with pytest.raises(ck.CheckpointError, match=r"extra\['step'\] = .*: must be an integer >= 0"):
+            ck.save(path, params, state, ss, engine, extra={"step": bad})
+    assert ck.read_manifest(path)["step"] == 7  # the refused saves committed nothing
+
+
+def edit_fields(path, change):
+    """``change(manifest)`` on the parsed manifest, written back (see ``edit_manifest``)."""
+    def edit(text):
+        m = json.loads(text)
+        change(m)
+        return json.dumps(m, indent=1)
+
+    edit_manifest(path, edit)
+
+
+def set_scalar(name, value):
+    def change(m):
+        (entry,) = [e for e in m["state"] if e["name"] == name]
+        entry["value"] = value
+
+    return change
+
+
+def set_at(value, *keys):
+    def change(m):
+        for k in keys[:-1]:
+            m = m[k]
+        m[keys[-1]] = value
+
+    return change
+
+
+def add_scalar(name, value, dtype="float64"):
+    return lambda m: m["state"].append({"name": name, "kind": "scalar", "dtype": dtype, "value": value})
+
+
+BAD_MANIFESTS = {
+    "b2 >= 1": (set_scalar("tx_state/0/b2", 1.5), r"state\['tx_state/0/b2'\]\.value = 1\.5: must be in \[0, 1\)"),
+    "b1 < 0": (set_scalar("tx_state/0/b1", -0.1), r"state\['tx_state/0/b1'\]\.value = -0\.1: must be in \[0, 1\)"),
+    "b2 nan": (set_scalar("tx_state/0/b2", "nan"), r"state\['tx_state/0/b2'\]\.value = 'nan': must be in \[0, 1\)"),
+    "eps < 0": (set_scalar("tx_state/0/eps", -1e-8), r"state\['tx_state/0/eps'\]\.value = -1e-08: must be a finite number >= 0"),
+    "weight decay inf": (set_scalar("tx_state/1/inner/weight_decay", "inf"),
+                         r"state\['tx_state/1/inner/weight_decay'\]\.value = 'inf': must be a finite number >= 0"),
+    "lr < 0": (add_scalar("tx_state/3/lr", -1.0), r"state\['tx_state/3/lr'\]\.value = -1\.0: must be a finite number >= 0"),
+    "max_norm 0": (add_scalar("tx_state/3/max_norm", 0.0), r"state\['tx_state/3/max_norm'\]\.value = 0\.0: must be a finite number > 0"),
+    "max_norm inf": (add_scalar("tx_state/3/max_norm", "inf"), r"state\['tx_state/3/max_norm'\]\.value = 'inf': must be a finite number > 0"),
+    "momentum < 0": (add_scalar("tx_state/3/momentum", -0.5), r"state\['tx_state/3/momentum'\]\.value = -0\.5: must be a finite number >= 0"),
+    "count < 0": (set_scalar("tx_state/0/count", -1), r"state\['tx_state/0/count'\]\.value = -1: must be a non-negative integer"),
+    "count float": (set_scalar("tx_state/0/count", 2.5), r"state\['tx_state/0/count'\]\.value = 2\.5: must be an integer \(an int32 leaf\)"),
+    "count list": (set_scalar("tx_state/2/count", [2]), r"state\['tx_state/2/count'\]\.value = \[2\]: must be an integer"),
+    "count too big": (set_scalar("tx_state/2/count", 2**40), r"state\['tx_state/2/count'\]\.value = 1099511627776: must be in the int32 range"),
+    "hyperparameter dict": (set_scalar("tx_state/0/b2", {"v": 0.9}), r"state\['tx_state/0/b2'\]\.value = \{'v': 0\.9\}: must be a number"),
+    "hyperparameter string": (set_scalar("tx_state/0/b2", "0.9"), r"state\['tx_state/0/b2'\]\.value = '0\.9': must be a number"),
+    "unknown dtype": (lambda m: m["state"][0].update(dtype="float128"), r"state\['master'\]\.dtype = 'float128': must be one of"),
+    "duplicate leaf": (lambda m: m["state"].append(dict(m["state"][0])), r"state\[\d+\]\.name = 'master': must be unique"),
+    "kind": (lambda m: m["state"][0].update(kind="blob"), r"state\['master'\]\.kind = 'blob': must be one of"),
+    "scale nan": (set_at("nan", "loss_scale", "scale"), r"loss_scale\.scale = 'nan': must be a finite number > 0"),
+    "scale 0": (set_at(0, "loss_scale", "scale"), r"loss_scale\.scale = 0: must be a finite number > 0"),
+    "scale above max_scale": (set_at(2.0**30, "loss_scale", "scale"),
+                              r"loss_scale\.scale = 1073741824\.0: must be in \[min_scale, max_scale\] = \[1\.0, 16777216\.0\]"),
+    "scale below min_scale": (set_at(0.5, "loss_scale", "scale"), r"loss_scale\.scale = 0\.5: must be in \[min_scale"),
+    "good_steps < 0": (set_at(-1, "loss_scale", "good_steps"), r"loss_scale\.good_steps = -1: must be in \[0, 2147483647\]"),
+    "hysteresis float": (set_at(1.0, "loss_scale", "hysteresis"), r"loss_scale\.hysteresis = 1\.0: must be an integer"),
+    "stuck_steps bool": (set_at(True, "loss_scale", "stuck_steps"), r"loss_scale\.stuck_steps = True: must be an integer"),
+    "param dtype": (set_at("int8", "param_dtype"), r"param_dtype = 'int8': must be one of"),
+    "bytes string": (lambda m: m["files"][0].update(bytes="1234"), r"files\[0\]\.bytes = '1234': must be an integer"),
+    "bytes bool": (lambda m: m["files"][0].update(bytes=True), r"files\[0\]\.bytes = True: must be an integer"),
+    "segment float": (lambda m: m["files"][0].update(segments=[[0, 446.0]]), r"files\[0\]\.segments\[0\]\[1\] = 446\.0: must be an integer"),
+    "segment gap": (lambda m: m["files"][0].update(segments=[[0, 400]]), r"files\[\*\]\.segments = 400: .* cover all 446"),
+    "file name": (lambda m: m["files"][0].update(file="../x.safetensors"), r"files\[0\]\.file = '\.\./x\.safetensors': must be a plain"),
+    "sha256": (lambda m: m["files"][0].update(sha256="abc"), r"files\[0\]\.sha256 = 'abc': must match"),
+    "shape float": (lambda m: m["layout"]["leaves"][0].update(shape=[13.0]), r"layout\.leaves\[0\]\.shape\[0\] = 13\.0: must be an integer"),
+    "numel": (set_at(445, "layout", "numel"), r"layout\.numel = 445: must be 446"),
+    "world size": (set_at(0, "world_size"), r"world_size = 0: must be >= 1"),
+    "step": (set_at(-3, "step"), r"step = -3: must be >= 0"),
+    "extra": (set_at([1], "extra"), r"extra = \[1\]: must be a JSON object"),
+    "missing field": (lambda m: m.pop("files"), r"files is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MANIFESTS))
+def test_manifest_values_are_validated_and_named(saved, case):
+    path, *_ = saved
+    change, want = BAD_MANIFESTS[case]
+    ck.load(path, ckpt_fresh_engine())  # as saved: fine
+    edit_fields(path, change)
+    with pytest.raises(ck.CheckpointError, match=r"manifest\.json: manifest field " + want):
+        ck.load(path, ckpt_fresh_engine())
+
+
+@pytest.mark.parametrize("token,want", [
+    ("NaN", "non-standard JSON token NaN"),
+    ("-Infinity", "non-standard JSON token -Infinity"),
+    ("1e400", "number 1e400 is out of the float64 range"),
+])
+def test_manifest_is_parsed_as_strict_json(saved, token, want):
+    path, *_ = saved
+    edit_manifest(path, lambda text: re.sub(r'"value": 0\.999\b', f'"value": {token}', text, count=1))
+    for read in (lambda: ck.load(path, ckpt_fresh_engine()), lambda: ck.read_manifest(path)):
+        with pytest.raises(ck.CheckpointError, match=rf"cannot read .*manifest\.json: {want}"):
+            read()
+
+
+def test_manifest_with_a_duplicate_key_is_refused(saved):
+    path, *_ = saved
+    edit_manifest(path, lambda text: text.replace('"format": "fzero-checkpoint",', '"format": "fzero-checkpoint", "step": 1,', 1))
+    with pytest.raises(ck.CheckpointError, match=r"cannot read .*manifest\.json: duplicate key 'step'"):
+        ck.load(path, ckpt_fresh_engine())
+
+
+def test_save_refuses_what_load_would_refuse(saved):
+    path, engine, params, state, ss = saved
+    for extra, want in [({"hist": [1.0, float("nan")]}, r"extra\['hist'\]\[1\] = nan"),
+                        ({"best": {"loss": float("-inf")}}, r"extra\['best'\]\['loss'\] = -inf")]:
+        with pytest.raises(ck.CheckpointError, match=want + ": JSON has no NaN or infinity"):
+            ck.save(path, params, state, ss, engine, extra=extra)
+    adam = state.tx_state[0]._replace(b2=torch.tensor(1.5, dtype=torch.float64))
+    bad = state._replace(tx_state=(adam, *state.tx_state[1:]))
+    with pytest.raises(ck.CheckpointError, match=r"manifest field state\['tx_state/0/b2'\]\.value = 1\.5: must be in \[0, 1\)"):
+        ck.save(path, params, bad, ss, engine)
+    # nothing was committed, no snapshot left behind
+    assert ckpt_entries(path) == CKPT_ONE
+    assert ck.load(path, ckpt_fresh_engine())[3] == {"epoch": 1, "seen": [1, 2]}
