@@ -25,10 +25,9 @@ import argparse
 import datetime
 import functools
 import os
-import statistics
+import itertools
 import sys
 import tempfile
-import time
 
 import optree
 import torch
@@ -41,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 import fzero.comm  # noqa: E402
 import transforms  # noqa: E402
-from common import table  # noqa: E402
+from common import median_time, table  # noqa: E402
 from e2e import ModuleGPT  # noqa: E402
 from models import gpt  # noqa: E402
 from models.module import functional  # noqa: E402
@@ -187,12 +186,9 @@ def worker(rank, world_size, rdzv, args, out_path):
                              for m in range(micro)] if micro > 1 else [make_batch(args.model, rank, world_size, args.batch, i)]
         if micro > 1:  # micro-batch m of rank r: rows of the same global batch
             batches = lambda i: [make_batch(args.model, rank * micro + m, world_size * micro, args.batch, i) for m in range(micro)]
-        times = []
-        for i in range(args.warmup + args.steps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(batches(i))
-            times.append(time.perf_counter() - t0)
+        i = itertools.count()
+        seconds = median_time(lambda: step(batches(next(i))), torch.device("cpu"), iters=args.steps,
+                              warmup=args.warmup, before=dist.barrier)
         # one more step, eager, counting every collective and its bytes
         counter.calls = counter.bytes = 0
         if is_fzero:
@@ -204,7 +200,7 @@ def worker(rank, world_size, rdzv, args, out_path):
         dist.barrier()
         maxes = [None] * world_size
         dist.all_gather_object(maxes, opt_bytes)
-        rows.append({"recipe": name, "P": P, "ms": statistics.median(times[args.warmup:]) * 1e3,
+        rows.append({"recipe": name, "P": P, "ms": seconds * 1e3,
                      "opt_B_per_param": max(maxes) / P, "held_GiB": (opt_bytes + other) / 2**30,
                      "calls": counter.calls, "MiB": counter.bytes / 2**20})
         fzero.comm._reduce_scatter, fzero.comm._all_gather, fzero.comm._all_reduce = (

@@ -13,25 +13,39 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn, device: torch.device, *, iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
+def sample_times(fns, device: torch.device, *, iters: int, warmup: int, before=None):
+    """Seconds of each of ``iters`` runs of ``fn()`` after ``warmup`` untimed ones: CUDA events
+    on a GPU, the host clock elsewhere. ``fns``: one function (a list of seconds back) or a dict
+    of them (a dict of lists back), run in turn within each iteration, so that drift in the
+    machine's speed hits all alike. ``before()``, if given, runs untimed before each run, e.g.
+    ``dist.barrier`` so that every rank starts together."""
+    named = fns if isinstance(fns, dict) else {None: fns}
+    times = {name: [] for name in named}
     sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    for i in range(warmup + iters):
+        for name, fn in named.items():
+            if before is not None:
+                before()
+            if i < warmup:
+                fn()
+                sync(device)
+            elif device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times[name].append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return times if isinstance(fns, dict) else times[None]
+
+
+def median_time(fn, device: torch.device, *, iters: int = 20, warmup: int = 3, before=None) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (see ``sample_times``)."""
+    return statistics.median(sample_times(fn, device, iters=iters, warmup=warmup, before=before))
 
 
 def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> float:

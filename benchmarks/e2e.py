@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # train.py imports its sibling data.py
 import fzero  # noqa: E402
 import transforms  # noqa: E402
-from common import hardware, sync, table  # noqa: E402
+from common import hardware, sample_times, table  # noqa: E402
 from models import gpt  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -127,16 +126,16 @@ def fzero_main_job(cfg, dtype, batch, dev, world):
     return step
 
 
-def block_seconds(step, steps: int, dev, world: int) -> float:
-    """Wall seconds of ``steps`` steps, the device synced (and, on 2+ ranks, every rank done)."""
-    sync(dev)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(dev)
-    if world > 1:
-        dist.barrier()
-    return time.perf_counter() - t0
+def block(step, steps: int, world: int):
+    """A function that runs ``steps`` steps and, on 2+ ranks, waits for every rank: one timed block."""
+
+    def run():
+        for _ in range(steps):
+            step()
+        if world > 1:
+            dist.barrier()
+
+    return run
 
 
 def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
@@ -147,12 +146,9 @@ def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
     g = torch.Generator().manual_seed(rank)
     batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch, T), generator=g).to(dev) for _ in range(2))
     steps = {"torch": torch_recipe(cfg, dtype, batch, dev, world), "fzero": fzero_main_job(cfg, dtype, batch, dev, world)}
-    for step in steps.values():  # compile, first-call work
-        block_seconds(step, 2, dev, world)
-    times = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            times[name].append(block_seconds(step, args.steps, dev, world))
+    # one untimed block each first (compile, first-call work), then the two alternate
+    times = sample_times({name: block(step, args.steps, world) for name, step in steps.items()}, dev,
+                         iters=args.rounds, warmup=1)
     tokens = args.batch * T * args.steps * world
     out = {"dtype": dtype_name, "ranks": world, "params": cfg.num_params(), "tokens_per_step": args.batch * T * world}
     for name, ts in times.items():

@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import sys
-import time
 
 import optree
 import torch
@@ -35,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 import transforms  # noqa: E402
-from common import hardware, table  # noqa: E402
+from common import hardware, median_time, table  # noqa: E402
 
 GB = 2**30
 
@@ -123,17 +122,17 @@ def measure_offload(P: int, N: int, device: torch.device, steps: int = 2) -> dic
         params, state, ss = engine.init(init_params)
         del init_params
         grads = optree.tree_map(lambda p: torch.full_like(p, 1e-3), params)
-        times = []
-        for _ in range(steps + 1):
-            t = time.perf_counter()
-            params, state, ss, _ = engine.step(params, grads, state, ss)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+        carry = [params, state, ss]
+
+        def step(carry=carry, engine=engine, grads=grads):  # bound now: the loop deletes its names
+            carry[0], carry[1], carry[2], _ = engine.step(carry[0], grads, carry[1], carry[2])
+
+        seconds = median_time(step, device, iters=steps, warmup=1)
+        params, state, ss = carry
         key = "offload" if offload else "device"
         out[f"{key}_bytes"] = device_bytes(device, params, grads, state, ss)
-        out[f"{key}_s"] = sorted(times[1:])[len(times[1:]) // 2]
-        del params, grads, state, ss, engine
+        out[f"{key}_s"] = seconds
+        del params, grads, state, ss, engine, carry, step
         gc.collect()
     return out
 

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fzero  # noqa: E402
 import transforms  # noqa: E402
+from common import median_time, sample_times  # noqa: E402
 from models import gpt  # noqa: E402
 
 EAGER = ("backward only", "reduce in step", "grad_and_value, overlap=False", "grad_and_value, overlap=True")
@@ -63,32 +64,28 @@ def eager_worker(rank, world_size, rdzv, args, out):
         "grad_and_value, overlap=False": lambda p: engine.grad_and_value(loss_fn, overlap=False)(p, batch),
         "grad_and_value, overlap=True": lambda p: engine.grad_and_value(loss_fn, overlap=True)(p, batch),
     }
-    times = {m: ([], []) for m in EAGER}
+    grad_s = {m: [] for m in EAGER}  # the forward+backward part of each run, warm-up runs first
 
     def one(mode):
         nonlocal params, state, ss
-        dist.barrier()
         t0 = time.perf_counter()
         grads, _ = grad_fns[mode](params)
-        t1 = time.perf_counter()
+        grad_s[mode].append(time.perf_counter() - t0)
         if mode != "backward only":
             params, state, ss, _ = engine.step(params, grads, state, ss)
-        return t1 - t0, time.perf_counter() - t0
 
-    for i in range(args.warmup + args.steps):
-        for mode in EAGER:  # interleaved: drift in machine load hits every mode alike
-            a, b = one(mode)
-            if i >= args.warmup:
-                times[mode][0].append(a)
-                times[mode][1].append(b)
+    # interleaved: drift in machine load hits every mode alike
+    step_s = sample_times({m: functools.partial(one, m) for m in EAGER}, torch.device("cpu"), iters=args.steps,
+                          warmup=args.warmup, before=dist.barrier)
+    res = {m: (statistics.median(grad_s[m][args.warmup:]) * 1e3, statistics.median(step_s[m]) * 1e3) for m in EAGER}
     if args.trace:
         with torch.profiler.profile() as prof:
             for _ in range(2):
+                dist.barrier()
                 one("grad_and_value, overlap=True")
         if rank == 0:
             prof.export_chrome_trace(args.trace)
     if rank == 0:
-        res = {m: (statistics.median(a) * 1e3, statistics.median(b) * 1e3) for m, (a, b) in times.items()}
         torch.save({"ms": res, "buckets": len(engine.layout.buckets), "P": engine.layout.numel}, out)
     dist.destroy_process_group()
 
@@ -102,14 +99,14 @@ def compiled_worker(rank, world_size, rdzv, args, reorder, out):
         return engine.step(params, grads, state, ss)
 
     step = torch.compile(train_step, fullgraph=True)
-    times = []
-    for i in range(args.warmup + args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def run():
+        nonlocal params, state, ss
         params, state, ss, _ = step(params, state, ss, batch)
-        times.append(time.perf_counter() - t0)
+
+    seconds = median_time(run, torch.device("cpu"), iters=args.steps, warmup=args.warmup, before=dist.barrier)
     if rank == 0:
-        torch.save({"ms": statistics.median(times[args.warmup:]) * 1e3}, out)
+        torch.save({"ms": seconds * 1e3}, out)
     dist.destroy_process_group()
 
 

@@ -20,8 +20,8 @@ Dynamic rule (Megatron's DynamicGradScaler with torch's GradScaler defaults and 
 
 Every scale (``init_scale``, ``min_scale``, ``max_scale``, a static ``scale``) must be finite
 and > 0 in FP32, ``growth_factor`` finite and >= 1, ``backoff_factor`` in (0, 1], and
-``growth_interval``, ``hysteresis``, ``stuck_after`` integers >= 1; otherwise the policy raises
-``ValueError`` naming the field.
+``growth_interval``, ``hysteresis``, ``stuck_after`` integers >= 1 (a bool is neither); otherwise
+the policy raises ``ValueError`` naming the field (``transforms.validate``'s checks).
 
 Stuck scale: ``stuck_steps`` counts consecutive overflowing steps taken *at* ``min_scale`` (for a
 static scale: at that scale). ``policy.stuck(state)`` is true once it reaches ``stuck_after``:
@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from typing import NamedTuple
 
 import torch
+
+from transforms.validate import Rule, check_count, check_number
 
 __all__ = [
     "LossScaleState",
@@ -63,28 +64,10 @@ def _state(scale: float, hysteresis: int, device) -> LossScaleState:
     return LossScaleState(torch.tensor(float(scale), dtype=torch.float32, device=device), int0(0), int0(hysteresis), int0(0))
 
 
-def _real(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return math.nan  # fails every range check below
-
-
-def _check_scale(policy: str, name: str, value) -> None:
-    """A scale lives in an FP32 tensor: it must be finite and > 0 once rounded to FP32."""
-    v = _real(value)
-    as_fp32 = torch.tensor(v, dtype=torch.float32).item() if math.isfinite(v) else v  # construction only
-    if not 0 < as_fp32 < math.inf:  # False for nan too
-        raise ValueError(f"{policy}: {name} must be finite and > 0 in FP32 (the scale's dtype), got {value!r}")
-
-
-def _check_count(policy: str, name: str, value) -> None:
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < 1:
-        raise ValueError(f"{policy}: {name} must be an integer >= 1, got {value!r}")
+# A scale lives in an FP32 tensor: it must be finite and > 0 once rounded to FP32.
+_SCALE: Rule = (lambda v: 0 < v < math.inf, "a finite number > 0 in FP32 (the scale's dtype)")
+_GROWTH: Rule = (lambda v: 1.0 <= v < math.inf, "a finite number >= 1")
+_BACKOFF: Rule = (lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 
 
 def _stuck_steps(state: LossScaleState, found_inf: torch.Tensor, min_scale: float) -> torch.Tensor:
@@ -118,19 +101,17 @@ class DynamicLossScale(_Policy):
     def __post_init__(self):
         name = type(self).__name__
         for field in ("min_scale", "max_scale", "init_scale"):
-            _check_scale(name, field, getattr(self, field))
+            check_number(name, field, getattr(self, field), _SCALE, dtype=torch.float32)
         if not self.min_scale <= self.max_scale:
             raise ValueError(f"{name}: min_scale must be <= max_scale, got min_scale={self.min_scale!r} > max_scale={self.max_scale!r}")
         if not self.min_scale <= self.init_scale <= self.max_scale:
             raise ValueError(
                 f"{name}: init_scale must be in [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}], got {self.init_scale!r}"
             )
-        if not 1.0 <= _real(self.growth_factor) < math.inf:
-            raise ValueError(f"{name}: growth_factor must be finite and >= 1, got {self.growth_factor!r}")
-        if not 0.0 < _real(self.backoff_factor) <= 1.0:
-            raise ValueError(f"{name}: backoff_factor must be in (0, 1], got {self.backoff_factor!r}")
+        check_number(name, "growth_factor", self.growth_factor, _GROWTH)
+        check_number(name, "backoff_factor", self.backoff_factor, _BACKOFF)
         for field in ("growth_interval", "hysteresis", "stuck_after"):
-            _check_count(name, field, getattr(self, field))
+            check_count(name, field, getattr(self, field), minimum=1)
 
     def init(self, device=None) -> LossScaleState:
         return _state(self.init_scale, self.hysteresis, device)
@@ -165,8 +146,8 @@ class StaticLossScale(_Policy):
 
     def __post_init__(self):
         name = type(self).__name__
-        _check_scale(name, "scale", self.scale)
-        _check_count(name, "stuck_after", self.stuck_after)
+        check_number(name, "scale", self.scale, _SCALE, dtype=torch.float32)
+        check_count(name, "stuck_after", self.stuck_after, minimum=1)
 
     def init(self, device=None) -> LossScaleState:
         return _state(self.scale, 1, device)

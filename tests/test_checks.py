@@ -33,7 +33,7 @@ def test_meta_device_params_are_refused_naming_the_leaf():
 def test_a_bool_hyperparameter_is_refused(value):
     """``set_hyperparams(lr=True)`` was taken as 1.0."""
     state = engine().init({"w": torch.ones(3)})[1]
-    with pytest.raises(ValueError, match="set_hyperparams: invalid lr.*not a bool"):
+    with pytest.raises(ValueError, match="set_hyperparams: lr must be .*not a bool"):
         transforms.set_hyperparams(state.tx_state, lr=value)
-    with pytest.raises(ValueError, match="adamw: invalid lr.*not a bool"):
+    with pytest.raises(ValueError, match="adamw: lr must be .*not a bool"):
         transforms.adamw(lr=value)

@@ -132,19 +132,19 @@ INF, NAN = float("inf"), float("nan")
     ],
 )
 def test_bad_dynamic_config_names_the_field(bad, field):
-    with pytest.raises(ValueError, match=rf"DynamicLossScale: {field}\b"):
+    with pytest.raises(ValueError, match=rf"DynamicLossScale: {field} must be "):
         DynamicLossScale(**bad)
 
 
 @pytest.mark.parametrize("scale", [INF, -INF, NAN, 0.0, -2.0, 1e39])
 def test_static_scale_must_be_finite_and_positive(scale):
-    with pytest.raises(ValueError, match=r"StaticLossScale: scale\b"):
+    with pytest.raises(ValueError, match=r"StaticLossScale: scale must be "):
         StaticLossScale(scale)
 
 
 @pytest.mark.parametrize("stuck_after", [0, -1, 2.5])
 def test_static_stuck_after_is_a_positive_int(stuck_after):
-    with pytest.raises(ValueError, match=r"StaticLossScale: stuck_after\b"):
+    with pytest.raises(ValueError, match=r"StaticLossScale: stuck_after must be an integer >= 1, got "):
         StaticLossScale(4.0, stuck_after=stuck_after)
 
 
@@ -156,5 +156,5 @@ def test_limits_at_fp32_max_are_accepted():
 
 @pytest.mark.parametrize("field", ["min_scale", "init_scale"])
 def test_scale_that_rounds_to_zero_in_fp32_raises(field):
-    with pytest.raises(ValueError, match=rf"DynamicLossScale: {field}\b"):
+    with pytest.raises(ValueError, match=rf"DynamicLossScale: {field} must be "):
         DynamicLossScale(**{field: 1e-50})  # > 0 as a Python float, 0 in FP32

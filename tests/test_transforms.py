@@ -168,8 +168,8 @@ T = transforms
     ],
 )
 def test_invalid_hyperparameters_raise_at_construction(make, where, name, value):
-    # like torch.optim ("Invalid learning rate: -0.001"), naming the factory, the argument and its value
-    with pytest.raises(ValueError, match=re.escape(f"{where}: invalid {name}: {value}")):
+    # naming the factory, the argument, what it must be and its value (all of it: "got 1.0" is not "got 1.05")
+    with pytest.raises(ValueError, match=re.escape(f"{where}: {name} must be ") + ".+" + re.escape(f", got {value}") + "$"):
         make()
 
 
@@ -220,7 +220,7 @@ def all_hyperparams_state():
 )
 def test_set_hyperparams_validates_known_names(name, value, shown):
     state = all_hyperparams_state()
-    with pytest.raises(ValueError, match=re.escape(f"set_hyperparams: invalid {name}: {shown}")):
+    with pytest.raises(ValueError, match=re.escape(f"set_hyperparams: {name} must be ") + ".+" + re.escape(f", got {shown}") + "$"):
         T.set_hyperparams(state, **{name: value})
 
 

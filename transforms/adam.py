@@ -6,9 +6,10 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import FusedStep, GradientTransformation, MaskedState, ShardContext, chain, check_hyperparam
+from .base import HYPERPARAM_RULES, FusedStep, GradientTransformation, MaskedState, ShardContext, chain
 from .scalars import host_value, hyperparam, scalar, zero_count
 from .scale import add_decayed_weights, learning_rate, next_learning_rate_state, scale_by_learning_rate
+from .validate import check_number
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adamw"]
 
@@ -49,7 +50,7 @@ def scale_by_adam(
     ``b1``, ``b2`` must be in [0, 1) and ``eps`` finite and >= 0, else ``ValueError``.
     """
     for name, value in (("b1", b1), ("b2", b2), ("eps", eps)):
-        check_hyperparam("scale_by_adam", name, value)
+        check_number("scale_by_adam", name, value, HYPERPARAM_RULES[name])
 
     def init(params, *, context: ShardContext | None = None):
         def zeros(dtype):
@@ -109,15 +110,15 @@ def adamw(
     finite and >= 0, ``betas`` a pair in [0, 1), ``eps`` and ``weight_decay`` finite and >= 0.
     """
     if not callable(lr):
-        check_hyperparam("adamw", "lr", lr)
+        check_number("adamw", "lr", lr, HYPERPARAM_RULES["lr"])
     try:
         b1, b2 = betas
     except (TypeError, ValueError):
         raise ValueError(f"adamw: betas must be a pair (b1, b2), got {betas!r}") from None
-    check_hyperparam("adamw", "betas[0]", b1, rule="b1")
-    check_hyperparam("adamw", "betas[1]", b2, rule="b2")
-    check_hyperparam("adamw", "eps", eps)
-    check_hyperparam("adamw", "weight_decay", weight_decay)
+    check_number("adamw", "betas[0]", b1, HYPERPARAM_RULES["b1"])
+    check_number("adamw", "betas[1]", b2, HYPERPARAM_RULES["b2"])
+    check_number("adamw", "eps", eps, HYPERPARAM_RULES["eps"])
+    check_number("adamw", "weight_decay", weight_decay, HYPERPARAM_RULES["weight_decay"])
     tx = chain(
         scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
         add_decayed_weights(weight_decay, mask=weight_decay_mask),

@@ -24,6 +24,7 @@ import optree
 import torch
 
 from .scalars import with_host_value
+from .validate import Rule, check_number
 
 __all__ = [
     "GradientTransformation",
@@ -38,7 +39,7 @@ __all__ = [
     "get_hyperparams",
     "iter_hyperparams",
     "named_tuples",
-    "check_hyperparam",
+    "HYPERPARAM_RULES",
     "apply_updates",
 ]
 
@@ -214,9 +215,9 @@ def _finite_at_least_0(v: float) -> bool:
 
 
 # The valid range of each hyperparameter the built-in transforms keep in their states (the same
-# ranges torch.optim checks, and finite): factories check their arguments against it, and
-# ``set_hyperparams`` checks new values of these names.
-HYPERPARAM_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+# ranges torch.optim checks, and finite), as ``transforms.validate`` rules: factories check their
+# arguments against it, and ``set_hyperparams`` checks new values of these names.
+HYPERPARAM_RULES: dict[str, Rule] = {
     "lr": (_finite_at_least_0, "a finite number >= 0"),
     "b1": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "b2": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
@@ -225,24 +226,6 @@ HYPERPARAM_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
     "momentum": (_finite_at_least_0, "a finite number >= 0"),
     "max_norm": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
 }
-
-
-def check_hyperparam(where: str, name: str, value, *, rule: str | None = None, shown: str | None = None) -> float:
-    """``value`` as a float, or ``ValueError`` naming ``where`` (the function checking), the
-    argument ``shown`` (default ``name``) and the value, if it is outside the range of
-    ``HYPERPARAM_RULES[rule or name]``. ``value``: a Python number or a 1-element tensor (read on
-    the host: call this at construction, never inside an ``update``)."""
-    shown = shown or name
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise ValueError(f"{where}: invalid {shown}: {value!r} (must be a real number or a 1-element tensor, not a bool)")
-    try:
-        v = float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{where}: invalid {shown}: {value!r} (must be a real number or a 1-element tensor)") from None
-    ok, need = HYPERPARAM_RULES[rule or name]
-    if not ok(v):
-        raise ValueError(f"{where}: invalid {shown}: {v!r} (must be {need})")
-    return v
 
 
 def apply_updates(params, updates):
@@ -292,7 +275,7 @@ def set_hyperparams(state, **values):
         raise KeyError(f"no hyperparameter(s) {sorted(unknown)} in state; have {sorted(get_hyperparams(state))}")
     checked = {}
     for name, value in values.items():
-        checked[name] = check_hyperparam("set_hyperparams", name, value) if name in HYPERPARAM_RULES else float(value)
+        checked[name] = check_number("set_hyperparams", name, value, HYPERPARAM_RULES[name]) if name in HYPERPARAM_RULES else float(value)
 
     def rebuild(node):
         if isinstance(node, tuple) and hasattr(node, "_fields"):

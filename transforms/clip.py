@@ -6,8 +6,9 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import FusedStep, GradientTransformation, ShardContext, check_hyperparam
+from .base import HYPERPARAM_RULES, FusedStep, GradientTransformation, ShardContext
 from .scalars import hyperparam, scalar
+from .validate import check_number
 
 __all__ = ["ClipByGlobalNormState", "clip_by_global_norm", "global_norm"]
 
@@ -31,7 +32,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     The norm is of the *incoming gradients*, so put this first in a ``chain``. ``max_norm`` must
     be finite and > 0, else ``ValueError``.
     """
-    check_hyperparam("clip_by_global_norm", "max_norm", max_norm)
+    check_number("clip_by_global_norm", "max_norm", max_norm, HYPERPARAM_RULES["max_norm"])
 
     def init(params, *, context: ShardContext | None = None):
         return ClipByGlobalNormState(hyperparam(max_norm, params))

@@ -6,8 +6,9 @@ from typing import Callable, NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, ShardContext, check_hyperparam, masked
+from .base import HYPERPARAM_RULES, GradientTransformation, ShardContext, masked
 from .scalars import hyperparam, scalar, zero_count
+from .validate import check_number
 
 __all__ = [
     "ScaleByLearningRateState",
@@ -69,7 +70,7 @@ def scale_by_learning_rate(lr) -> GradientTransformation:
 
         return GradientTransformation(init, update, None, lambda state: {"lr": learning_rate(schedule, state)})
 
-    check_hyperparam("scale_by_learning_rate", "lr", lr)
+    check_number("scale_by_learning_rate", "lr", lr, HYPERPARAM_RULES["lr"])
 
     def init(params, *, context: ShardContext | None = None):
         return ScaleByLearningRateState(hyperparam(lr, params))
@@ -87,7 +88,7 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTran
     ``mask``: decay only where True: a pytree of bools like the params pytree, or a callable on
     it (see ``masked``). ``weight_decay`` must be finite and >= 0,
     else ``ValueError``."""
-    check_hyperparam("add_decayed_weights", "weight_decay", weight_decay)
+    check_number("add_decayed_weights", "weight_decay", weight_decay, HYPERPARAM_RULES["weight_decay"])
     if mask is not None:
         return masked(add_decayed_weights(weight_decay), mask)
 

@@ -5,17 +5,19 @@ int works too, e.g. for plotting). Values are computed with tensor ops only (no 
 branch on ``count``), as 0-d float64 tensors, so a compiled step never retraces as ``count``
 grows.
 
-Arguments are checked when the schedule is built: values must be finite, step counts must be
-integers (a Python int or anything with ``__index__``, not a bool) and not negative, else
-``ValueError`` naming the argument. A zero-length transition holds ``init_value`` forever, as in
-optax; unlike optax, a negative step count is an error rather than a zero-length transition.
+Arguments are checked when the schedule is built (``transforms.validate``): values must be finite
+numbers, step counts integers (a Python int or anything with ``__index__``, not a bool) and not
+negative, else ``ValueError`` naming the argument. A zero-length transition holds ``init_value``
+forever, as in optax; unlike optax, a negative step count is an error rather than a zero-length
+transition.
 """
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
+
+from .validate import check_count, check_number
 
 __all__ = ["constant", "linear", "linear_warmup", "cosine_decay", "warmup_cosine_decay"]
 
@@ -24,29 +26,9 @@ def _t(count) -> torch.Tensor:
     return torch.as_tensor(count).to(torch.float64)
 
 
-def _value(where: str, name: str, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{where}: {name} must be a real number, got {value!r}") from None
-    if not math.isfinite(v):
-        raise ValueError(f"{where}: {name} must be finite, got {value!r}")
-    return v
-
-
-def _steps(where: str, name: str, value, *, minimum: int) -> int:
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        raise ValueError(f"{where}: {name} must be an integer {'>= 0' if minimum == 0 else f'> {minimum - 1}'}, got {value!r}")
-    return n
-
-
 def constant(value: float):
     """``value`` at every step."""
-    value = _value("constant", "value", value)
+    value = check_number("constant", "value", value)
     return lambda count: torch.full_like(_t(count), value)
 
 
@@ -65,9 +47,9 @@ def linear(init_value: float, end_value: float, transition_steps: int):
     """``init + (end - init) * min(count, T) / T``; ``end_value`` from step ``T`` on.
     ``transition_steps == 0``: ``init_value`` at every step (optax's rule)."""
     return _linear(
-        _value("linear", "init_value", init_value),
-        _value("linear", "end_value", end_value),
-        _steps("linear", "transition_steps", transition_steps, minimum=0),
+        check_number("linear", "init_value", init_value),
+        check_number("linear", "end_value", end_value),
+        check_count("linear", "transition_steps", transition_steps, minimum=0),
     )
 
 
@@ -75,9 +57,9 @@ def linear_warmup(init_value: float, peak_value: float, warmup_steps: int):
     """Linear from ``init_value`` to ``peak_value`` over ``warmup_steps``, then ``peak_value``.
     ``warmup_steps == 0``: ``init_value`` at every step (optax's ``linear_schedule``)."""
     return _linear(
-        _value("linear_warmup", "init_value", init_value),
-        _value("linear_warmup", "peak_value", peak_value),
-        _steps("linear_warmup", "warmup_steps", warmup_steps, minimum=0),
+        check_number("linear_warmup", "init_value", init_value),
+        check_number("linear_warmup", "peak_value", peak_value),
+        check_count("linear_warmup", "warmup_steps", warmup_steps, minimum=0),
     )
 
 
@@ -92,9 +74,9 @@ def _cosine(init_value: float, steps: int, end_value: float):
 def cosine_decay(init_value: float, decay_steps: int, end_value: float = 0.0):
     """``end + (init - end) * (1 + cos(pi * min(count, D) / D)) / 2``; ``end_value`` after ``D``."""
     return _cosine(
-        _value("cosine_decay", "init_value", init_value),
-        _steps("cosine_decay", "decay_steps", decay_steps, minimum=1),
-        _value("cosine_decay", "end_value", end_value),
+        check_number("cosine_decay", "init_value", init_value),
+        check_count("cosine_decay", "decay_steps", decay_steps, minimum=1),
+        check_number("cosine_decay", "end_value", end_value),
     )
 
 
@@ -103,10 +85,10 @@ def warmup_cosine_decay(init_value: float, peak_value: float, warmup_steps: int,
     step ``decay_steps`` (which *includes* the warmup, as in optax), then ``end_value``.
     ``warmup_steps == 0``: the cosine starts at ``peak_value`` on step 0 (``init_value`` unused)."""
     where = "warmup_cosine_decay"
-    init_value, peak_value = _value(where, "init_value", init_value), _value(where, "peak_value", peak_value)
-    end_value = _value(where, "end_value", end_value)
-    warmup_steps = _steps(where, "warmup_steps", warmup_steps, minimum=0)
-    decay_steps = _steps(where, "decay_steps", decay_steps, minimum=1)
+    init_value, peak_value = check_number(where, "init_value", init_value), check_number(where, "peak_value", peak_value)
+    end_value = check_number(where, "end_value", end_value)
+    warmup_steps = check_count(where, "warmup_steps", warmup_steps, minimum=0)
+    decay_steps = check_count(where, "decay_steps", decay_steps, minimum=1)
     if decay_steps <= warmup_steps:
         raise ValueError(f"{where}: decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
     warm = _linear(init_value, peak_value, warmup_steps)

@@ -6,9 +6,10 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation, ShardContext, chain, check_hyperparam
+from .base import HYPERPARAM_RULES, GradientTransformation, ShardContext, chain
 from .scalars import hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
+from .validate import check_number
 
 __all__ = ["TraceState", "trace", "sgd"]
 
@@ -26,7 +27,7 @@ def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
     r"""Heavy-ball momentum: :math:`b \leftarrow \mu b + g`; update :math:`b` (or
     :math:`g + \mu b` with ``nesterov``). Starting from :math:`b=0` this equals torch's
     first-step ``b = g``. ``momentum`` must be finite and >= 0, else ``ValueError``."""
-    check_hyperparam("trace", "momentum", momentum)
+    check_number("trace", "momentum", momentum, HYPERPARAM_RULES["momentum"])
 
     def init(params, *, context: ShardContext | None = None):
         return TraceState(optree.tree_map(torch.zeros_like, params), hyperparam(momentum, params))
@@ -47,11 +48,11 @@ def sgd(lr=1e-3, momentum: float = 0.0, *, nesterov: bool = False, weight_decay:
     Invalid values raise ``ValueError`` here, as in torch.optim.SGD: a float ``lr``,
     ``momentum`` and ``weight_decay`` must be finite and >= 0; ``nesterov`` needs momentum > 0."""
     if not callable(lr):
-        check_hyperparam("sgd", "lr", lr)
-    momentum = check_hyperparam("sgd", "momentum", momentum)
-    check_hyperparam("sgd", "weight_decay", weight_decay)
+        check_number("sgd", "lr", lr, HYPERPARAM_RULES["lr"])
+    momentum = check_number("sgd", "momentum", momentum, HYPERPARAM_RULES["momentum"])
+    check_number("sgd", "weight_decay", weight_decay, HYPERPARAM_RULES["weight_decay"])
     if nesterov and momentum <= 0:
-        raise ValueError(f"sgd: invalid momentum: {momentum!r} (nesterov=True requires momentum > 0)")
+        raise ValueError(f"sgd: momentum must be > 0 with nesterov=True, got {momentum!r}")
     txs = [add_decayed_weights(weight_decay, mask=weight_decay_mask)]
     if momentum:
         txs.append(trace(momentum, nesterov=nesterov))
