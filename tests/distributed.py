@@ -44,6 +44,15 @@ def init_group(rank: int, world_size: int, timeout: float = 60.0) -> None:
     )
 
 
+def require_tier(tier: str, what: str) -> None:
+    """Fail a test that ``what`` (starts ranks, runs the main job) without at least ``tier``'s
+    marker (the tiers: tests/conftest.py); outside pytest nothing is checked."""
+    order = ("unit", "multirank", "e2e")
+    have = os.environ.get("FZERO_TEST_TIER")
+    if have is not None and order.index(have) < order.index(tier):
+        raise RuntimeError(f"this test {what}: mark it @pytest.mark.{tier} (tier {have!r} now; see tests/conftest.py)")
+
+
 def _worker(rank, world_size, tmp, fn, args, init, may_die):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["FZERO_TEST_RENDEZVOUS"] = os.path.join(tmp, "rendezvous")
@@ -65,6 +74,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, init: bool = T
               start: str = "forkserver") -> list:
     """See the module docstring. Ranks in ``may_die`` may exit without a result (``None``);
     ``start``: the multiprocessing start method, ``"forkserver"`` or ``"spawn"``."""
+    require_tier("multirank", "starts gloo ranks")
     ctx = _FORKSERVER if start == "forkserver" else mp.get_context(start)
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_worker, args=(r, world_size, tmp, fn, args, init, tuple(may_die))) for r in range(world_size)]

@@ -1,0 +1,37 @@
+"""The test tiers, and the fixtures several test files share.
+
+Every test belongs to one tier (pytest markers, declared in pyproject.toml):
+
+* ``unit``: one process, no process group: every test not marked otherwise;
+* ``multirank``: starts gloo ranks (``distributed.run_ranks``) or a Python process that joins
+  a process group;
+* ``e2e``: runs a script as its users do (``examples/``, ``benchmarks/``), under torchrun for
+  ranks.
+
+``slow`` marks the longest tests of any tier. The edit-test loop runs the fast tier,
+``pytest -m "unit and not slow"`` (``make test-fast``); ``make test`` runs every tier.
+
+A test that starts ranks or the main job without its tier's marker fails (``FZERO_TEST_TIER``,
+read by ``distributed.run_ranks`` and ``helpers.run_script``), so the fast tier stays fast.
+"""
+from __future__ import annotations
+
+import pytest
+
+TIERS = ("unit", "multirank", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(item.get_closest_marker(t) for t in TIERS[1:]):
+            item.add_marker(pytest.mark.unit)
+
+
+def tier_of(item) -> str:
+    """``e2e`` over ``multirank`` over ``unit``: the most a test may start."""
+    return next(t for t in reversed(TIERS) if item.get_closest_marker(t))
+
+
+@pytest.fixture(autouse=True)
+def _tier(request, monkeypatch):
+    monkeypatch.setenv("FZERO_TEST_TIER", tier_of(request.node))
