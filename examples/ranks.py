@@ -78,6 +78,7 @@ def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_to_all(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()

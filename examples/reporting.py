@@ -21,6 +21,7 @@ import fzero
 from ranks import gather_to_all, mean_over_ranks
 
 
+# ---------------------------------------------------------------- the log window and the progress
 class LogWindow:
     """The steps since the last log step. Their per-step quantities (loss, found_inf, loss
     scale, grad norm) stay 0-d tensors on the device until ``drain`` converts them all at once,
@@ -74,6 +75,10 @@ class LogWindow:
         return records, any(columns["scale_stuck"])
 
 
+def finite_or_none(x: float):
+    return x if math.isfinite(x) else None  # JSON has no inf/NaN
+
+
 class Progress:
     """The loop's steps, with progress on rank 0: a tqdm bar on a sized terminal; otherwise (a
     file, a pipe, a terminal with no size: CI, ``docker exec``) one plain line per log step."""
@@ -108,6 +113,20 @@ class Progress:
             self.bar.close()
 
 
+def sized_terminal() -> bool:
+    """stderr (where tqdm draws) is a terminal that reports a width."""
+    try:
+        return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
+    except (OSError, ValueError):
+        return False
+
+
+def dir_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` (a checkpoint's size)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+# ---------------------------------------------------------------- metrics.jsonl
 def open_metrics(out: str, resume: str | None, step: int):
     """``(file, earlier step records)``: ``<out>/metrics.jsonl`` opened for this run's records.
 
@@ -149,18 +168,6 @@ def config_record(args, world: int, device: torch.device, n_params: int, state_b
     return {"config": config}
 
 
-def sized_terminal() -> bool:
-    """stderr (where tqdm draws) is a terminal that reports a width."""
-    try:
-        return sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
-    except (OSError, ValueError):
-        return False
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
 def fzero_version() -> str:
     try:
         return importlib.metadata.version("fzero")
@@ -168,41 +175,7 @@ def fzero_version() -> str:
         return "unknown"
 
 
-def warn_stuck(loss_fn, params, scaler_state, batch, rank):
-    """The loss scale sits at its minimum and grads are still non-finite: name the leaves."""
-    grads = torch.func.grad(lambda p: fzero.scale_loss(loss_fn(p, batch), scaler_state))(params)
-    culprits = gather_to_all(fzero.nonfinite_leaves(grads))
-    if rank == 0:
-        where = "; ".join(f"rank {r}: {', '.join(c)}" for r, c in enumerate(culprits) if c) or "no leaf (the reduction)"
-        tqdm.write(f"WARNING: loss scale stuck at {float(scaler_state.scale):g}: overflow persists at the minimum scale. "
-                   f"Non-finite grads in {where}")
-
-
-def finite_or_none(x: float):
-    return x if math.isfinite(x) else None  # JSON has no inf/NaN
-
-
-def sha256(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous().clone()  # a tensor that owns exactly its bytes
-    return hashlib.sha256(bytes(t.untyped_storage())).hexdigest()
-
-
-def make_profiler(trace_dir: str | None, rank: int):
-    """Skip 1 step, warm up 1, record 3; then write a chrome trace (Perfetto, TensorBoard) into
-    ``trace_dir``. Without one, a null context (which enters as None)."""
-    if not trace_dir:
-        return contextlib.nullcontext()
-    os.makedirs(trace_dir, exist_ok=True)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
-        on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(trace_dir, f"trace_rank{rank}.json")),
-    )
-
-
+# ---------------------------------------------------------------- the end of the run
 def summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests) -> dict:
     val = [r["val_loss"] for r in records if r["val_loss"] is not None]
     return {
@@ -223,6 +196,12 @@ def summarize(records, args, world, n_params, state_bytes, tokens_per_step, tota
         "params_sha256": digests,
         "params_identical_across_ranks": len(set(digests)) == 1,
     }
+
+
+def sha256(t: torch.Tensor) -> str:
+    """The SHA-256 of ``t``'s bytes, as hex."""
+    t = t.detach().cpu().contiguous().clone()  # a tensor that owns exactly its bytes
+    return hashlib.sha256(bytes(t.untyped_storage())).hexdigest()
 
 
 def print_summary(s, log_path, plot_path, trace_dir):
@@ -282,3 +261,30 @@ def plot(records, path, title):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------- diagnostics
+def make_profiler(trace_dir: str | None, rank: int):
+    """Skip 1 step, warm up 1, record 3; then write a chrome trace (Perfetto, TensorBoard) into
+    ``trace_dir``. Without one, a null context (which enters as None)."""
+    if not trace_dir:
+        return contextlib.nullcontext()
+    os.makedirs(trace_dir, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(os.path.join(trace_dir, f"trace_rank{rank}.json")),
+    )
+
+
+def warn_stuck(loss_fn, params, scaler_state, batch, rank):
+    """The loss scale sits at its minimum and grads are still non-finite: name the leaves."""
+    grads = torch.func.grad(lambda p: fzero.scale_loss(loss_fn(p, batch), scaler_state))(params)
+    culprits = gather_to_all(fzero.nonfinite_leaves(grads))
+    if rank == 0:
+        where = "; ".join(f"rank {r}: {', '.join(c)}" for r, c in enumerate(culprits) if c) or "no leaf (the reduction)"
+        tqdm.write(f"WARNING: loss scale stuck at {float(scaler_state.scale):g}: overflow persists at the minimum scale. "
+                   f"Non-finite grads in {where}")
