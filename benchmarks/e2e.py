@@ -3,7 +3,7 @@
 torch: the same GPT as an ``nn.Module`` (``ModuleGPT``: same shapes, tied embedding, pre-LN,
 tanh GELU), ``torch.compile``d, ``torch.autocast`` to FP16/BF16 (none for FP32) with
 ``torch.amp.GradScaler`` for FP16, ``torch.optim.AdamW(fused=True)``; under torchrun wrapped in
-DDP. fzero: ``models.gpt`` through ``examples/train.py``'s ``make_train_step`` -- the main job's
+DDP. fzero: ``models.gpt`` through ``examples/recipe.py``'s ``make_train_step`` -- the main job's
 step: ``engine.grad_and_value`` (the reduce-scatter inside backward) and the compiled
 ``engine.step``, params in FP16/BF16/FP32, dynamic loss scaling for FP16. Both take AdamW with
 lr 3e-4, weight decay 0.1 on every param, no clipping; random tokens (throughput only).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import statistics
@@ -36,11 +35,12 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # train.py imports its sibling data.py
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # the main job's modules: recipe.py
 import fzero  # noqa: E402
 import transforms  # noqa: E402
 from common import hardware, sample_times, table  # noqa: E402
 from models import gpt  # noqa: E402
+from recipe import make_train_step  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CONFIGS = {  # the main job's configs at its data's vocabulary (97 characters); gpt2 at GPT-2's, padded
@@ -50,13 +50,6 @@ CONFIGS = {  # the main job's configs at its data's vocabulary (97 characters); 
     "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
 }
 LR, WEIGHT_DECAY = 3e-4, 0.1
-
-
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("examples_train", os.path.join(HERE, "..", "examples", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Block(nn.Module):
@@ -114,11 +107,10 @@ def torch_recipe(cfg, dtype, batch, dev, world):
 
 
 def fzero_main_job(cfg, dtype, batch, dev, world):
-    """One step of the main job's train step (``examples/train.py: make_train_step``)."""
-    train_py = load_train_module()
+    """One step of the main job's train step (``examples/recipe.py: make_train_step``)."""
     engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True)  # as train.py
     carry = list(engine.init(gpt.init(torch.Generator().manual_seed(0), cfg, device=dev)))
-    train_step = train_py.make_train_step(engine, functools.partial(gpt.loss, config=cfg), compile=True)
+    train_step = make_train_step(engine, functools.partial(gpt.loss, config=cfg), compile=True)
 
     def step():
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)

@@ -26,7 +26,6 @@ orientations, plus noise), made from a fixed seed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import sys
@@ -41,9 +40,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import fzero  # noqa: E402
 import fzero.checkpoint  # noqa: E402
 import transforms  # noqa: E402
+from flags import DTYPES, UsageError, check_batch_size  # noqa: E402
 from models.module import functional  # noqa: E402
+from ranks import exit_usage, init_distributed, launched, rows_of  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CLASSES, SIDE = 4, 16
 
 
@@ -120,7 +120,7 @@ def train(args, net: nn.Module, rank: int, world: int):
     for b in buffers.values():
         if b.is_floating_point():
             b.data = b.data.to(dtype)
-    lo, hi = rank * args.batch_size // world, (rank + 1) * args.batch_size // world
+    mine = rows_of(rank, world, args.batch_size)
 
     def loss_fn(params, images, labels, scaler_state):
         logits = apply(params, images.to(dtype))
@@ -133,7 +133,7 @@ def train(args, net: nn.Module, rank: int, world: int):
     for step in range(1, args.steps + 1):
         images, labels = batch(step, args.batch_size, args.seed)
         sync_buffers(buffers)  # rank 0's running stats, as DDP does before each forward
-        grads, (_, loss) = grad_fn(params, images[lo:hi], labels[lo:hi], scaler_state)
+        grads, (_, loss) = grad_fn(params, images[mine], labels[mine], scaler_state)
         params, state, scaler_state, info = engine.step(params, grads, state, scaler_state)
         losses.append(loss)
         if step % args.log_every == 0 and rank == 0:
@@ -156,16 +156,12 @@ def accuracy(net: nn.Module, params, apply_dtype: torch.dtype, seed: int) -> flo
 
 def main(argv=None):
     args = parse_args(argv)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    if args.batch_size % world:
-        if rank == 0:
-            lower, upper = args.batch_size // world * world, (args.batch_size // world + 1) * world
-            valid = f"{lower} or {upper}" if lower else f"{upper}"
-            print(f"train_module.py: error: --batch-size {args.batch_size} must be divisible by the number of ranks "
-                  f"({world}): --batch-size {valid}", file=sys.stderr)
-        raise SystemExit(2)
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    world, rank = launched()
+    try:
+        check_batch_size(args.batch_size, world)
+    except UsageError as e:
+        exit_usage("train_module.py", e, rank)
+    init_distributed("cpu")  # under torchrun: join the gloo group
     torch.manual_seed(args.seed)
     net = make_net()
     t0 = time.perf_counter()

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import optree
@@ -20,18 +19,10 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TRAIN = EXAMPLES / "train.py"
 
 
-def load_train_module(monkeypatch=None):
-    """examples/train.py as a module. It imports its sibling data.py as ``data``, so examples/
-    goes on sys.path: for the test only with pytest's ``monkeypatch``, for good without (a
-    spawned rank)."""
-    if monkeypatch is not None:
-        monkeypatch.syspath_prepend(str(EXAMPLES))
-    elif str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location("examples_train", TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_train_module():
+    """examples/train.py as the module ``train`` (pyproject.toml puts examples/ on pytest's
+    sys.path; spawned ranks inherit it)."""
+    return importlib.import_module("train")
 
 
 def odd_params(seed=0):

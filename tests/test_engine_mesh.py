@@ -1,9 +1,7 @@
 """Hybrid sharding on a 2-D device mesh ``("replicate", "shard")``: 4 spawned gloo ranks on CPU
 as 2x2, 1x4 and 4x1 meshes, against one process fed the mean grads; the collectives per group;
 checkpoints saved on one mesh and loaded on others."""
-import importlib.util
 import os
-from pathlib import Path
 
 import optree
 import pytest
@@ -13,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fzero
 import fzero.checkpoint
 import transforms
+from comm_model import collective_bytes
 from distributed import run_ranks
 from helpers import RecordingHybridComm, grads_like, odd_params
 
@@ -120,19 +119,11 @@ def count_collectives(rank, world_size, replicas, shards):
             "errors": errors}
 
 
-def load_comm_model():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "comm_model.py"
-    spec = importlib.util.spec_from_file_location("comm_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_collectives_per_group_and_their_bytes():
     out = run_ranks(count_collectives, 4, 2, 2)
     padded, S, buckets = out[0]["layout"]
     # benchmarks/comm_model.py plans larger meshes from the same bytes
-    model = load_comm_model().collective_bytes(padded, 2, 2, reduce_bytes=4, param_bytes=4)
+    model = collective_bytes(padded, 2, 2, reduce_bytes=4, param_bytes=4)
     for r in out:
         assert {k: v[1] for k, v in r["counts"].items()} == {f"{a}/{b}": n for (a, b), n in model.items()}
         # per bucket: a reduce-scatter of the [2*S_b] grads in the shard group, one all-reduce of

@@ -28,7 +28,9 @@ import transforms
 from fzero.checkpoint import read_manifest
 from models import gpt
 
+import data
 from helpers import EXAMPLES, TRAIN, forbid_host_syncs, load_train_module
+from ranks import RANK_0_REPORT_WAIT_S
 
 STEP_KEYS = {
     "step", "loss", "val_loss", "lr", "loss_scale", "found_inf", "skipped_total",
@@ -273,7 +275,7 @@ def test_a_bad_flag_stops_the_run_before_any_work_with_one_line(flags, ranks, me
     if "{legacy}" in flags:
         paths["legacy"] = request.getfixturevalue("legacy_checkpoint")
     flags, message = [f.format(**paths) for f in flags], message.format(**paths)
-    train_py = load_train_module(monkeypatch)
+    train_py = load_train_module()
     monkeypatch.setattr(train_py, "init_distributed", lambda *a: pytest.fail("joined a group before checking"))
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # not a torchrun worker
     for rank in range(min(ranks, 2)):
@@ -294,7 +296,7 @@ def test_a_rank_that_rank_0_did_not_stop_reports_the_bad_flag_itself(tmp_path, m
     """Under torchrun a rank other than 0 leaves the report to rank 0 and waits to be stopped;
     still running after the wait (rank 0 was given other flags and did not fail), it reports
     the error itself, naming its rank."""
-    train_py = load_train_module(monkeypatch)
+    train_py = load_train_module()
     waits = []
     monkeypatch.setattr(train_py.time, "sleep", waits.append)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
@@ -302,7 +304,7 @@ def test_a_rank_that_rank_0_did_not_stop_reports_the_bad_flag_itself(tmp_path, m
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit:
         train_py.main(["--device", "cpu", "--out", str(tmp_path / "run"), "--batch-size", "7"])
-    assert exit.value.code == 2 and waits == [train_py.RANK_0_REPORT_WAIT_S]
+    assert exit.value.code == 2 and waits == [RANK_0_REPORT_WAIT_S]
     assert capsys.readouterr().err == (
         "train.py: error (rank 1): --batch-size 7 must be divisible by the number of ranks (2): --batch-size 6 or 8\n")
 
@@ -378,15 +380,7 @@ def test_profile_trace_and_plot(tmp_path):
         assert str(plot) in proc.stdout
 
 
-def load_data_module():
-    spec = importlib.util.spec_from_file_location("examples_data", EXAMPLES / "data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_data_vocab_encoding_and_deterministic_batches():
-    data = load_data_module()
     assert len(data.VOCAB) == data.CharCorpus.vocab_size == 97
     text = "def f(x):\n    return x ~ 1\n"
     assert data.decode(data.encode(text).tolist()) == text
@@ -576,10 +570,10 @@ def decayed_args(train_py):
     return train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10"])
 
 
-def test_weight_decay_mask_is_the_ndim_rule(monkeypatch):
+def test_weight_decay_mask_is_the_ndim_rule():
     """train.py decays matrices (weights, embeddings), not biases or norm gains (nanoGPT's
     ndim >= 2 rule): the mask adamw keeps, on the params pytree."""
-    train_py = load_train_module(monkeypatch)
+    train_py = load_train_module()
     tx = train_py.make_optimizer(decayed_args(train_py))
     params = nano_gpt_params()
     assert {x.ndim for x in optree.tree_leaves(params)} == {1, 2}
@@ -590,10 +584,10 @@ def test_weight_decay_mask_is_the_ndim_rule(monkeypatch):
     assert transforms.get_hyperparams(state)["weight_decay"].item() == 0.5
 
 
-def test_engine_step_decays_matrices_only(monkeypatch):
+def test_engine_step_decays_matrices_only():
     """One engine step of train.py's optimizer with zero grads at lr 0.1, weight decay 0.5: every
     matrix moves by exactly -lr * wd * p, every 1-D param (bias, norm gain) stays as it was."""
-    train_py = load_train_module(monkeypatch)
+    train_py = load_train_module()
     engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py)), param_dtype=torch.float32)
     p, state, scaler_state = engine.init(nano_gpt_params())
     new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
@@ -649,12 +643,12 @@ def guards_may_read_scalars():
         torch.Tensor.item = trap
 
 
-def test_train_step_makes_no_host_sync_and_compiles_once(monkeypatch):
+def test_train_step_makes_no_host_sync_and_compiles_once():
     """What the loop runs between log steps -- the batch, the compiled train step, adding to the
     log window -- under a trap that makes every Tensor -> Python conversion raise and with
     recompiles as errors, while the lr warms up and the loss scale backs off and grows; the
     window then turns into the log records outside the trap."""
-    train_py = load_train_module(monkeypatch)
+    train_py = load_train_module()
     args = train_py.parse_args([*SMALL_GPT, "--dtype", "fp16", "--steps", "100"])
     train_py.check_args(args, 1)
     data = train_py.load_data(args)

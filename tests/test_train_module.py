@@ -3,7 +3,6 @@ module trained with DDP and ``torch.optim.AdamW``, buffers included; ``export_fu
 into the module."""
 import argparse
 import copy
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,23 +14,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fzero.checkpoint
+import train_module as example
 from distributed import run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_module.py"
 STEPS, BATCH, LR, WD = 20, 32, 3e-3, 0.01  # 16 images per rank: BatchNorm's batch statistics stay well-conditioned
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("train_module", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def fzero_and_torch(rank, world_size, steps=STEPS):
     """The same initial module trained twice on the same rows: by the example (fzero, FP32, no
     loss scale) and by DDP + torch's AdamW; both modules' params and buffers after STEPS."""
-    example = load_example()
     torch.manual_seed(0)
     net = example.make_net()
     ref = copy.deepcopy(net)
@@ -79,7 +71,6 @@ def test_two_ranks_equal_ddp_buffers_included():
 
 
 def test_export_full_loads_into_the_module(tmp_path):
-    example = load_example()
     torch.manual_seed(0)
     net = example.make_net()
     args = argparse.Namespace(steps=5, batch_size=BATCH, lr=LR, weight_decay=WD, dtype="bf16", seed=0, log_every=10**9)

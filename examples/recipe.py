@@ -1,0 +1,119 @@
+"""What the main job (examples/train.py) trains and how: its data and model, the optimizer
+(clipping, AdamW with decay on the matrices), the learning-rate schedule, the device mesh of
+``--mesh``, and the train step and evaluation the loop calls."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import optree
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import fzero
+import transforms
+from data import CharCorpus, TeacherRegression
+from flags import GPT_CONFIGS, UsageError
+from models import gpt, mlp
+from ranks import mean_over_ranks
+
+
+# ---------------------------------------------------------------- data and model
+def load_data(args):
+    """The dataset of ``--model``/``--data``/``--block-size`` (``UsageError`` for a bad file)."""
+    if args.model == "mlp":
+        return TeacherRegression(tuple(int(d) for d in args.mlp_dims.split(",")))
+    T = args.block_size or GPT_CONFIGS[args.config]().block_size
+    if not args.data:
+        return CharCorpus.from_stdlib(T)
+    try:  # ValueError: not a regular file, empty, too short for one block
+        return CharCorpus.from_file(args.data, T)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--data {args.data}: {e}") from None
+
+
+def build(args, data, device):
+    """``(params_fp32, loss_fn, items per sequence)`` for ``--model``, on ``data``."""
+    seed = torch.Generator().manual_seed(args.seed)
+    if args.model == "gpt":
+        config = GPT_CONFIGS[args.config]()
+        config = dataclasses.replace(config, vocab_size=data.vocab_size, block_size=data.block_size)
+        return gpt.init(seed, config, device=device), functools.partial(gpt.loss, config=config), data.block_size
+    dims = tuple(int(d) for d in args.mlp_dims.split(","))
+    return mlp.init(seed, dims, device=device), mlp.loss, 1
+
+
+# ---------------------------------------------------------------- the optimizer and the mesh
+def decays(params):
+    """Which leaves get weight decay: matrices (weights, embeddings), not biases or norm
+    gains -- nanoGPT's rule, ``ndim >= 2``."""
+    return optree.tree_map(lambda x: x.ndim >= 2, params)
+
+
+def lr_schedule(args):
+    """Warmup from 0 to --lr over --warmup steps, then cosine to --lr/10 at --steps: a function
+    of the count of applied updates (a 0-d tensor)."""
+    warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
+    return transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
+
+
+def schedule_count(state) -> torch.Tensor:
+    """The count the learning-rate schedule reads, from the optimizer state (a 0-d tensor)."""
+    is_sched = lambda x: isinstance(x, transforms.scale.ScaleByScheduleState)  # noqa: E731
+    return next(x.count for x in optree.tree_leaves(state.tx_state, is_leaf=is_sched) if is_sched(x))
+
+
+def make_optimizer(args) -> transforms.GradientTransformation:
+    """Clip by the global grad norm (over all ranks), then AdamW with a warmup-cosine learning
+    rate (``lr_schedule``) and decoupled weight decay on the matrices only (``decays``)."""
+    lr = lr_schedule(args)
+    clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
+    adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays)
+    return transforms.chain(*clip, adamw)
+
+
+def make_mesh(spec, device: torch.device):
+    """The ``("replicate", "shard")`` device mesh of ``--mesh R,S`` (``None`` without it)."""
+    return None if spec is None else init_device_mesh(device.type, spec, mesh_dim_names=("replicate", "shard"))
+
+
+# ---------------------------------------------------------------- the step
+def make_train_step(engine, loss_fn, *, compile: bool):
+    """``train_step(params, state, scaler_state, batch) -> (params, state, scaler_state, loss,
+    info)``: one optimizer step with no host sync. ``loss`` is this rank's unscaled loss and
+    ``info`` the engine's, 0-d tensors on the device.
+
+    The grads come back already reduce-scattered: each bucket's collective starts inside
+    backward (``engine.grad_and_value``). With ``compile``, ``engine.step`` is one compiled
+    graph; the learning rate and the loss scale are tensors in the state, so changing them never
+    recompiles it.
+
+    Why not the whole step in one graph (forward, backward and ``engine.step``, differentiating
+    ``engine.flat_params``)? Measured on ``make train``'s config (docs/performance.md): it
+    compiles in about twice the time (29 s against 13 s from a cold cache, 2 ranks on 2 cores)
+    for steps only ~6% faster, since three quarters of a step are FP16 matmuls that run the same
+    aten kernels either way; so 600 steps end sooner this way, and backward keeps overlapping the
+    reduce-scatter (``grad_and_value`` is eager only)."""
+
+    def scaled_loss(params, batch, scaler_state):
+        loss = loss_fn(params, batch)
+        return fzero.scale_loss(loss, scaler_state), loss.detach()  # the unscaled loss rides along
+
+    grad_fn = engine.grad_and_value(scaled_loss, has_aux=True)
+    optimizer_step = torch.compile(engine.step, fullgraph=True) if compile else engine.step
+
+    def train_step(params, state, scaler_state, batch):
+        grads, (_, loss) = grad_fn(params, batch, scaler_state)
+        # The step on the flat buffer the leaves are views of: compiled, it writes the new params
+        # in the update's own pass; a pytree costs a pass per leaf (docs/performance.md).
+        flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
+        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
+
+    return train_step
+
+
+@torch.no_grad()
+def evaluate(params, loss_fn, batches) -> float:
+    """Mean loss over ``batches`` (this rank's rows), averaged over ranks."""
+    return mean_over_ranks(torch.stack([loss_fn(params, b) for b in batches]).mean()).item()
