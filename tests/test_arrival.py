@@ -39,6 +39,7 @@ def fails_inside_try_finally(rank, world_size):
         fzero.shutdown()
 
 
+@pytest.mark.multirank
 def test_a_rank_raising_inside_try_finally_shutdown_ends_every_rank_in_seconds():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as e:
@@ -61,6 +62,7 @@ def init_on_rank_0_only(rank, world_size):
     return None, time.monotonic() - t0
 
 
+@pytest.mark.multirank
 def test_init_on_some_ranks_only_names_each_ranks_call_at_once():
     results = run_ranks(init_on_rank_0_only, 2, may_die=(0, 1))
     for msg, elapsed in results:
@@ -82,6 +84,7 @@ def missing_rank(rank, world_size):
     return None, time.monotonic() - t0
 
 
+@pytest.mark.multirank
 def test_a_rank_that_does_not_arrive_is_named_after_call_timeout():
     (msg, elapsed), _ = run_ranks(missing_rank, 2, may_die=(0, 1))
     assert msg.startswith("fzero: engine.init is a collective call and rank 1 did not reach it within 3 s (rank 0 did): "
@@ -107,6 +110,7 @@ def peer_failed_while_waiting(rank, world_size):
     return None, time.monotonic() - t0
 
 
+@pytest.mark.multirank
 def test_a_peer_failing_ends_the_wait_at_once_naming_its_error():
     (msg, elapsed), _ = run_ranks(peer_failed_while_waiting, 2, may_die=(0, 1))
     assert msg == ("fzero: rank 1 failed (KeyError: 'no such dataset'), so engine.init on rank 0 cannot complete; "
@@ -120,6 +124,7 @@ def test_call_timeout_must_be_positive():
             engine(call_timeout=bad)
 
 
+@pytest.mark.multirank
 def test_importing_fzero_after_init_process_group_is_named_as_the_cause():
     """The shutdown warning named the user's references to ProcessGroup objects as the cause."""
     code = (
@@ -152,6 +157,7 @@ def save_on_rank_0_only(rank, world_size, path):
     return None, time.monotonic() - t0
 
 
+@pytest.mark.multirank
 def test_save_on_one_rank_only_ends_both_ranks_naming_the_call(tmp_path):
     results = run_ranks(save_on_rank_0_only, 2, str(tmp_path / "ck"), may_die=(0, 1))
     (msg0, t0), (msg1, t1) = results

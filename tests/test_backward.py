@@ -82,6 +82,7 @@ def compare_modes(rank, world_size):
     return out, acc
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_bitwise_equal_to_pytree_grads(world_size):
     results = run_ranks(compare_modes, world_size)
@@ -119,6 +120,7 @@ def collective_order(rank, world_size):
     return out, len(engine.layout.buckets)
 
 
+@pytest.mark.multirank
 def test_reduce_scatters_start_in_backward_and_wait_after_it():
     (out, n), _ = run_ranks(collective_order, 2)
     assert n >= 3
@@ -178,6 +180,7 @@ def unused_on_one_rank(rank, world_size, b_rows):
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("b_rows", [8, 12], ids=["equal-buckets", "unequal-buckets"])
 def test_a_leaf_unused_on_one_rank_only_reduces_like_zero_grads(b_rows):
     """Each rank starts its buckets in bucket order whatever order its grads complete in, so the

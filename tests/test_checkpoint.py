@@ -141,6 +141,7 @@ def stage_d(rank, world_size, tmp):
     return {"loaded": loaded, "after": after, "extra": json.dumps(extra)}
 
 
+@pytest.mark.multirank
 def test_chain_2_3_1_4_round_trips_and_exact_resume(tmp_path):
     tmp = str(tmp_path)
     ref = reference_views([K, K + M, K + 2 * M, K + 3 * M])
@@ -348,6 +349,7 @@ def two_ranks(rank, world_size, tmp):
     return out
 
 
+@pytest.mark.multirank
 def test_two_ranks_a_locked_path_different_paths_and_a_changed_mask(tmp_path):
     """One 2-rank job: a save to a path another job is saving to fails on every rank and changes
     nothing; a load whose ranks were given different checkpoints says so, naming each rank's

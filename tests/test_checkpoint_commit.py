@@ -124,6 +124,7 @@ def crash_rank1_mid_write(rank, world_size, tmp):
     return "saved"
 
 
+@pytest.mark.multirank
 def test_rank_killed_mid_write_keeps_previous_checkpoint(tmp_path):
     msg, dead = run_ranks(crash_rank1_mid_write, 2, str(tmp_path), timeout=90, may_die=(1,))
     assert dead is None and msg.startswith("save ") and "did one die?" in msg, msg
@@ -266,6 +267,7 @@ def race_save_and_load(rank, world_size, tmp):
     return out
 
 
+@pytest.mark.multirank
 def test_loads_racing_saves_are_never_mixed_nor_corrupted(tmp_path):
     saver, loader = run_ranks(race_save_and_load, 2, str(tmp_path), init=False, timeout=150)
     assert saver["saves"] >= 3

@@ -65,6 +65,7 @@ def hammer_saves(rank, world_size, tmp):
     return out
 
 
+@pytest.mark.multirank
 def test_concurrent_savers_exclude_each_other_and_leave_no_orphans(tmp_path):
     path = str(tmp_path / "ckpt")
     engine = ckpt_engine()
@@ -91,6 +92,7 @@ def save_then_die(rank, world_size, path):
     ck.save(path, params, state, ss, engine, extra={"v": "dead"}, _hook=die)
 
 
+@pytest.mark.multirank
 def test_a_saver_killed_holding_the_lock_does_not_block_the_next_save(saved):
     path, engine, params, state, ss = saved
     assert run_ranks(save_then_die, 1, path, init=False, may_die=(0,)) == [None]

@@ -89,6 +89,7 @@ def compiled_vs_eager(rank, world_size):
     return out
 
 
+@pytest.mark.multirank
 def test_compiled_step_on_two_gloo_ranks_equals_eager():
     out = run_ranks(compiled_vs_eager, 2)
     assert torch.equal(out[0]["params"], out[1]["params"])

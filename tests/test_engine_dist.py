@@ -44,6 +44,7 @@ def train(rank, world_size, param_dtype, reduce_dtype):
     }
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
     "param_dtype,reduce_dtype",
@@ -119,6 +120,7 @@ def mismatched_configs(rank, world_size):
     return msgs
 
 
+@pytest.mark.multirank
 def test_ranks_that_disagree_on_the_configuration_fail_at_init_naming_setting_and_ranks():
     out = run_ranks(mismatched_configs, 2)
     for name, (_, _, want) in CONFIG_CASES.items():
@@ -138,12 +140,14 @@ def world_changed(rank, world_size):
     return "no error"
 
 
+@pytest.mark.multirank
 def test_layout_mismatch_across_ranks_names_leaf_and_rank():
     msgs = run_ranks(mismatched_layout, 2)
     want = "leaf 3 is 'w' with shape (7, 5) on rank 0 but 'w' with shape (5, 7) on rank 1"
     assert all(want in m for m in msgs), msgs
 
 
+@pytest.mark.multirank
 def test_world_size_changed_since_init_raises():
     msgs = run_ranks(world_changed, 2, init=False)
     assert all("2 ranks" in m and "initialized for 1" in m for m in msgs), msgs
@@ -171,6 +175,7 @@ def train_clipped(rank, world_size):
     return {"master": state.master, "numel": engine.layout.numel, "norms": torch.stack(norms)}
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_clipping_masks_schedules_across_ranks_equal_one_process(world_size):
     out = run_ranks(train_clipped, world_size)
@@ -190,6 +195,7 @@ def test_clipping_masks_schedules_across_ranks_equal_one_process(world_size):
     torch.testing.assert_close(master, state.master[: out[0]["numel"]], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.multirank
 def test_two_runs_with_the_same_seed_are_bitwise_identical():
     a = run_ranks(train, 2, torch.float16, torch.float16)
     b = run_ranks(train, 2, torch.float16, torch.float16)

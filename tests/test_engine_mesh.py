@@ -74,6 +74,7 @@ def one_process_reference(world_size):
     return optree.tree_leaves(params), torch.stack(norms)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("replicas,shards,options", [
     (2, 2, {}), (1, 4, {}), (4, 1, {}), (2, 2, {"stage": 2, "offload": "cpu"}),
 ], ids=["2x2", "1x4", "4x1", "2x2-stage2-offload"])
@@ -119,6 +120,7 @@ def count_collectives(rank, world_size, replicas, shards):
             "errors": errors}
 
 
+@pytest.mark.multirank
 def test_collectives_per_group_and_their_bytes():
     out = run_ranks(count_collectives, 4, 2, 2)
     padded, S, buckets = out[0]["layout"]
@@ -155,6 +157,7 @@ def compiled_and_eager(rank, world_size):
     return out
 
 
+@pytest.mark.multirank
 def test_compiled_step_on_a_mesh_equals_eager():
     """FP16 params, dynamic loss scale, 4 buckets, 2x2: the compiled step (one graph, the
     replicate all-reduce inside it) follows the eager one (torch's fused AdamW kernel) within
@@ -211,6 +214,7 @@ def load_and_continue(rank, world_size, path, mesh):
     return losses
 
 
+@pytest.mark.multirank
 def test_checkpoint_saved_on_2x2_loads_on_other_meshes_and_continues_the_same_curve(tmp_path):
     path = os.fspath(tmp_path / "ckpt")
     continued = torch.stack(run_ranks(save_on_mesh, 4, path)).mean(0)  # the global loss: equal batches per rank

@@ -45,6 +45,7 @@ def faulty_run(rank, world_size, plan):
             "params": fzero.flatten(params, engine.layout)}
 
 
+@pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_injected_faults_are_skipped_everywhere_and_the_scale_follows_the_rule(world_size):
@@ -101,6 +102,7 @@ def stuck_run(rank, world_size):
     return {"stuck": stuck, "culprits": culprits}
 
 
+@pytest.mark.multirank
 def test_stuck_scale_is_reported_and_the_culprit_named():
     out = run_ranks(stuck_run, 2)
     # 4 -> 2 -> 1, then three overflows at the minimum: stuck from step 5 on, on both ranks

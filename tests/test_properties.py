@@ -123,6 +123,7 @@ def gloo_random(rank, world_size, tree_shapes):
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_random_trees_on_gloo_ranks_equal_one_process_fed_the_mean(world_size):
     tree_shapes = random_trees(world_size, 6)

@@ -65,6 +65,7 @@ def mean(xs):
     return sum(xs) / len(xs)
 
 
+@pytest.mark.e2e
 def test_two_ranks_fp16_log_is_complete_loss_falls_params_agree(tmp_path):
     """The main job as `make train` runs it (2 ranks, FP16, the step compiled), smaller."""
     steps = 40
@@ -131,6 +132,7 @@ def test_two_ranks_fp16_log_is_complete_loss_falls_params_agree(tmp_path):
     assert all(" | lr " in line and " | scale " in line and " | val " in line for line in progress)
 
 
+@pytest.mark.e2e
 def test_progress_on_a_terminal_without_a_size_is_plain_lines(tmp_path):
     """A pseudo-terminal with no size (what `script -c`, CI and `docker exec` give): the bar
     would not draw, so the job prints plain lines instead."""
@@ -156,6 +158,7 @@ def test_progress_on_a_terminal_without_a_size_is_plain_lines(tmp_path):
     assert [line.split(" |")[0] for line in lines] == [f"step {s}/20" for s in (5, 10, 15, 20)]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_fp16_and_bf16_track_fp32(tmp_path):
     """Same seed, same batches, 200 steps: the final loss of FP16 (dynamic loss scaling) and
@@ -174,6 +177,7 @@ def test_fp16_and_bf16_track_fp32(tmp_path):
         assert abs(val_loss - ref_val) <= 0.03 * ref_val, (dtype, result)
 
 
+@pytest.mark.e2e
 def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
     """Each rank takes half the rows of the same global batch: the 2-rank loss curve (mean over
     ranks) is the 1-process curve, and so is the final val loss."""
@@ -189,6 +193,7 @@ def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
     assert two_summary["opt_state_bytes_per_rank"] < 0.55 * one_summary["opt_state_bytes_per_rank"]
 
 
+@pytest.mark.e2e
 def test_mesh_of_two_replicas_by_two_shards_follows_four_flat_ranks(tmp_path):
     """``--mesh 2,2`` on 4 ranks (2 "nodes" x 2): the same loss curve as ZeRO-1 over all 4, with
     twice the optimizer state per rank (sharded over 2, not 4)."""
@@ -203,6 +208,7 @@ def test_mesh_of_two_replicas_by_two_shards_follows_four_flat_ranks(tmp_path):
     assert 1.9 < ratio < 2.1
 
 
+@pytest.mark.e2e
 def test_master_remainder_trains_the_main_job_bit_for_bit(tmp_path):
     """--keep-master remainder (BF16 params + int16 remainders) against the FP32 master: the same
     losses and bitwise the same params after 40 compiled steps on 2 ranks, 2 bytes less state
@@ -324,6 +330,7 @@ if os.environ["RANK"] == "0":
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("rank_0_lag_s", [0.0, 3.0])
 def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(rank_0_lag_s, tmp_path):
     """Under torchrun the one line comes from rank 0, also when another rank finds the bad flag
@@ -341,6 +348,7 @@ def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(rank_0_lag_s, tmp_pat
     assert "File \"" + str(TRAIN) not in proc.stderr  # no traceback from train.py itself
 
 
+@pytest.mark.e2e
 def test_check_args_exits_0_for_good_flags_and_2_for_bad_ones(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "3"}
     for flags, code in (([], 2), (["--batch-size", "15"], 0)):
@@ -351,6 +359,7 @@ def test_check_args_exits_0_for_good_flags_and_2_for_bad_ones(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no run directory
 
 
+@pytest.mark.e2e
 def test_mlp_bf16_trains(tmp_path):
     records, summary, _ = train(
         tmp_path / "mlp", "--model", "mlp", "--mlp-dims", "32,128,32", "--dtype", "bf16", "--steps", "60",
@@ -361,6 +370,7 @@ def test_mlp_bf16_trains(tmp_path):
     assert summary["final_val_loss"] < 0.6 * records[0]["loss"]
 
 
+@pytest.mark.e2e
 def test_profile_trace_and_plot(tmp_path):
     trace_dir = tmp_path / "trace"
     out = tmp_path / "run"
@@ -406,6 +416,7 @@ def test_data_vocab_encoding_and_deterministic_batches():
     assert torch.equal(y, teacher.get_batch("train", 0, 2048, 0)[1])
 
 
+@pytest.mark.e2e
 def test_trains_on_a_user_text_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)  # 9,000 characters
@@ -416,6 +427,7 @@ def test_trains_on_a_user_text_file(tmp_path):
     assert summary["final_val_loss"] < 2.0  # a repeated sentence is easy to predict
 
 
+@pytest.mark.e2e
 def test_save_every_and_resume_at_another_world_size_continue_exactly(tmp_path):
     """Train 16 steps on 2 ranks saving every 8; resume step 8's checkpoint on 1 rank: the
     remaining 8 steps give the same loss curve as the straight run (within FP32 rounding).
@@ -476,6 +488,7 @@ def legacy_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_resume_into_its_own_run_directory_continues_its_metrics_and_plot(saved_run, tmp_path):
     """Resumed from step 6 into the run's own directory: metrics.jsonl keeps the records up to
     step 6 as they were, drops the later ones (the steps being replaced), and goes on after a
@@ -507,6 +520,7 @@ fzero.DynamicLossScale = functools.partial(fzero.DynamicLossScale, init_scale=2.
 """
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_counts_skipped_steps_over_the_whole_run(tmp_path):
     """The checkpoint keeps the count of skipped steps, so each record's skipped_total goes on
     from it after a resume as in the straight run; the summary counts the steps of its process."""
@@ -519,6 +533,7 @@ def test_a_resumed_run_counts_skipped_steps_over_the_whole_run(tmp_path):
     assert summary["skipped_steps"] == sum(r["found_inf"] for r in resumed)
 
 
+@pytest.mark.e2e
 def test_resume_takes_the_training_flags_it_is_not_given_from_the_checkpoint(saved_run, tmp_path):
     """``--resume`` alone continues the saved run exactly -- model, BF16 over the remainder master,
     seed, batch, schedule, clipping -- and says on one line which flags it took from the
@@ -550,6 +565,7 @@ def test_resume_takes_the_training_flags_it_is_not_given_from_the_checkpoint(sav
     assert changed == {"keep_master": ["remainder", "fp32"], "seed": [3, 4], "steps": [12, 14], "lr": [0.01, 0.02]}
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_without_training_flags_resumes_with_its_dtype_and_seed(legacy_checkpoint, tmp_path):
     """A checkpoint whose ``extra`` has only the step and the seed: its param dtype (in every
     manifest) and its seed are taken as the flags not given."""
@@ -599,6 +615,7 @@ def test_engine_step_decays_matrices_only():
 
 
 # ---------------------------------------------------------------- the compiled, sync-free main job
+@pytest.mark.e2e
 def test_compiled_main_job_follows_the_eager_loss_curve(tmp_path):
     """100 steps of the same run, --compile and --no-compile: the train loss agrees at every
     step within 1e-4 (measured: 1e-6 to 5e-6 over seeds 1-3), and so does the final val loss.

@@ -60,6 +60,7 @@ def test_one_process_equals_torch_adamw():
     check_equal(fzero_and_torch(0, 1))
 
 
+@pytest.mark.multirank
 def test_two_ranks_equal_ddp_buffers_included():
     out = run_ranks(fzero_and_torch, 2)
     for r in out:
@@ -89,6 +90,7 @@ def test_export_full_loads_into_the_module(tmp_path):
         assert torch.equal(p.detach().to(torch.bfloat16), params[name]), name
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("nproc", [None, 2])
 def test_the_example_runs_and_learns(tmp_path, nproc):
     launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
