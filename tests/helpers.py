@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import subprocess
 from pathlib import Path
 
 import optree
@@ -14,6 +15,7 @@ import torch.utils._python_dispatch
 import fzero
 import fzero.comm
 import transforms
+from distributed import require_tier
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TRAIN = EXAMPLES / "train.py"
@@ -23,6 +25,13 @@ def load_train_module():
     """examples/train.py as the module ``train`` (pyproject.toml puts examples/ on pytest's
     sys.path; spawned ranks inherit it)."""
     return importlib.import_module("train")
+
+
+def run_script(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, **kwargs)`` of an example or a benchmark, as its users run it: a
+    test of the e2e tier (tests/conftest.py)."""
+    require_tier("e2e", "runs a script")
+    return subprocess.run(cmd, **kwargs)
 
 
 def odd_params(seed=0):

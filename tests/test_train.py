@@ -29,7 +29,7 @@ from fzero.checkpoint import read_manifest
 from models import gpt
 
 import data
-from helpers import EXAMPLES, TRAIN, forbid_host_syncs, load_train_module
+from helpers import EXAMPLES, TRAIN, forbid_host_syncs, load_train_module, run_script
 from ranks import RANK_0_REPORT_WAIT_S
 
 STEP_KEYS = {
@@ -51,7 +51,7 @@ def train(out: Path, *args: str, nproc: int | None = None, compile: bool = False
     mode = "--compile" if compile else "--no-compile"
     cmd = launcher + [str(script), "--device", "cpu", "--out", str(out), mode, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True, timeout=timeout)
+    proc = run_script(cmd, env=env, cwd=out.parent, capture_output=True, text=True, timeout=timeout)
     if not check:
         return None, None, proc
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
@@ -139,7 +139,7 @@ def test_progress_on_a_terminal_without_a_size_is_plain_lines(tmp_path):
     leader, follower = pty.openpty()  # a new pty reports 0 rows x 0 columns
     cmd = [sys.executable, str(TRAIN), "--device", "cpu", "--no-compile", "--model", "mlp", "--steps", "20",
            "--log-every", "5", "--out", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower, cwd=tmp_path,
+    proc = run_script(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower, cwd=tmp_path,
                           text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     os.close(follower)
     assert proc.returncode == 0
@@ -352,7 +352,7 @@ def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0(rank_0_lag_s, tmp_pat
 def test_check_args_exits_0_for_good_flags_and_2_for_bad_ones(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "3"}
     for flags, code in (([], 2), (["--batch-size", "15"], 0)):
-        proc = subprocess.run([sys.executable, str(TRAIN), "--check-args", "--device", "cpu", *flags], env=env,
+        proc = run_script([sys.executable, str(TRAIN), "--check-args", "--device", "cpu", *flags], env=env,
                               cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert proc.returncode == code, proc.stderr
         assert proc.stdout == "" and (proc.stderr == "") == (code == 0), proc.stderr

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import fzero.checkpoint
 import train_module as example
 from distributed import run_ranks
+from helpers import run_script
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_module.py"
 STEPS, BATCH, LR, WD = 20, 32, 3e-3, 0.01  # 16 images per rank: BatchNorm's batch statistics stay well-conditioned
@@ -95,7 +96,7 @@ def test_export_full_loads_into_the_module(tmp_path):
 def test_the_example_runs_and_learns(tmp_path, nproc):
     launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                        f"--nproc_per_node={nproc}"]
-    proc = subprocess.run([*launcher, str(EXAMPLE), "--steps", "60", "--out", str(tmp_path)], cwd=tmp_path,
+    proc = run_script([*launcher, str(EXAMPLE), "--steps", "60", "--out", str(tmp_path)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = [line for line in proc.stdout.splitlines() if "accuracy" in line]
