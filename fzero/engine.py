@@ -26,20 +26,18 @@ import torch
 from . import checks, lineage, stages
 from .binding import Binding, ZeroState, config_table, fresh_state, to_state_device
 from .comm import Comm, SimulatedComm, comm_of_mesh
-from .flat import Layout, flat_buffer, flatten, make_layout, shard_of, tree_shard, unflatten
+from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
 from .grads import Accumulated, GradPath
 from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
 from .storage import master_storage
 from .update import cast_params, write_into
 
-__all__ = ["ZeroState", "Accumulated", "Engine", "zero1", "cast_params"]
-
-_BEFORE_INIT = "engine.step called before engine.init"
+__all__ = ["ZeroState", "Accumulated", "Engine", "cast_params"]
 
 
 class Engine:
-    """Built by :func:`zero1`; the arguments are documented there.
+    """Built by ``fzero.zero1`` (``fzero.options``); the arguments are documented there.
 
     ``init`` binds the engine to one layout (the params' structure and shapes, the world size,
     the device), once; ``step`` is then a function of its arguments and that static metadata,
@@ -181,13 +179,9 @@ class Engine:
 
     def _full(self, params: Any, state: ZeroState, mode: StepMode) -> ZeroState:
         """``state`` with the FP32 master its storage rebuilds (from this rank's params shard,
-        read only by a storage that needs it: a view of the params' own buffer where
-        ``mode.own_buffer`` allows looking it up, else laid out anew)."""
-        def params_shard() -> torch.Tensor:
-            flat = self._own_buffer(params, mode.flat_in) if mode.own_buffer else None
-            return shard_of(flatten(params, self.layout) if flat is None else flat, self.layout, self.comm.rank)
-
-        return state._replace(master=self.storage.full(state.master, params_shard))
+        which only a storage that reads the params asks for)."""
+        shard = lambda: stages.params_shard(params, self.layout, self.comm.rank, mode)
+        return state._replace(master=self.storage.full(state.master, shard))
 
     # ------------------------------------------------------------------ step
     def step(self, params: Any, grads: Any, state: ZeroState, scaler_state: LossScaleState):
@@ -215,7 +209,7 @@ class Engine:
 
         reduced = stages.reduce(path, grads, mode)
         checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self.tx, state.tx_state, mode)
-        out = self._own_buffer(params, mode.flat_in) if mode.cast_into_params else None
+        out = stages.cast_target(params, path.layout, mode)
         master, tx_state, shard = stages.update(self.tx, checked, state.master, state.tx_state,
                                                 param_dtype=self.param_dtype, mode=mode, out=out)
         new_params = stages.gather(path, shard, params, mode, cast_into_params=out is not None)
@@ -264,32 +258,21 @@ class Engine:
         return flat_buffer(leaves, path.layout)
 
     # ------------------------------------------------------------------ helpers
-    def _own_buffer(self, params: Any, flat_in: bool) -> torch.Tensor | None:
-        """The flat buffer ``params`` are (views of), or ``None`` if they are not (then the
-        step writes a new one and copies it into ``params``)."""
-        if flat_in:
-            return params
-        try:
-            return flat_buffer(optree.tree_leaves(params), self.layout)
-        except ValueError:
-            return None
-
     def _ready(self) -> Binding:
         """The binding ``init`` fixed, the communicator checked (eager)."""
         return self._checked(compiling())
 
     def _begin(self, params: Any) -> tuple[Binding, StepMode]:
         """The binding and the ``StepMode`` of a call that takes ``params`` (checked)."""
-        if self._bound is None:
-            raise RuntimeError(_BEFORE_INIT)
+        b = self._bound or self._checked(False)  # raises before init
         mode = StepMode.choose(has_fused=self.tx.fused is not None, donate=self.donate, chunk_numel=self.chunk_numel,
                                param_dtype=self.param_dtype, world_size=self.comm.world_size,
-                               state_device=self._bound.state_device, flat_in=self._bound.grads.check(params, "params"))
+                               state_device=b.state_device, flat_in=b.grads.check(params, "params"))
         return self._checked(mode.compiled), mode
 
     def _checked(self, compiled: bool) -> Binding:
         if self._bound is None:
-            raise RuntimeError(_BEFORE_INIT)
+            raise RuntimeError("engine.step called before engine.init")
         # Eager only: traced, the check would put the ProcessGroup object into the graph (as a
         # script object), which then keeps the group's backend threads alive after
         # destroy_process_group. A compiled step's collectives name their group instead.
@@ -309,75 +292,3 @@ class Engine:
     def state_bytes(self, state: ZeroState) -> int:
         """Bytes of tensor storage this rank holds for optimizer state (master + transform)."""
         return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor))
-
-
-
-
-def zero1(
-    tx,
-    *,
-    param_dtype: torch.dtype = torch.float16,
-    loss_scale="auto",
-    group=None,
-    mesh=None,
-    reduce_dtype: torch.dtype = torch.float32,
-    alignment: int = 64,
-    bucket_bytes: int | None = None,
-    stage: int = 1,
-    offload: str | None = None,
-    donate: bool = False,
-    chunk_numel: int | None = 2**18,
-    simulate: tuple[int, ...] | None = None,
-    master: str = "fp32",
-    call_timeout: float = 60.0,
-) -> Engine:
-    """A ZeRO engine (stage 1 by default) for gradient transformation ``tx``.
-
-    Args:
-      param_dtype: dtype of the model params the user sees: fp16 (default), bf16 or fp32.
-      loss_scale: ``DynamicLossScale()``, ``StaticLossScale(s)`` or ``None`` (no scaling);
-        default ``"auto"``: dynamic for fp16, none otherwise.
-      group: a ProcessGroup; ``None`` = WORLD if torch.distributed is initialized, else one
-        process; or a communicator (``fzero.comm.Comm``, ``SimulatedComm``, or a subclass).
-      mesh: a ``DeviceMesh`` instead of ``group``: 1-D, the same as ``group=`` its group; 2-D
-        with ``mesh_dim_names=("replicate", "shard")``, hybrid sharding: master and moments
-        sharded over ``shard`` (12P/S bytes per rank), replicated over ``replicate``; grads
-        reduce-scattered inside the shard group, the shard all-reduced over the replicate
-        group, params all-gathered inside the shard group (``fzero.comm.HybridComm``).
-      reduce_dtype: dtype of the gradient reduce-scatter: FP32 (default; 2x the wire bytes of
-        FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
-      alignment: each rank's slice of each bucket is a multiple of this many elements (64).
-      bucket_bytes: split the flat buffer into buckets of about this many param bytes, each
-        sharded across all ranks (one reduce-scatter and all-gather per bucket), filled in
-        reverse leaf order; ``None`` (default): one bucket.
-      stage: 1 (default), or 2 for gradient accumulation that reduce-scatters every
-        micro-batch and keeps only this rank's FP32 shard of the sum (see ``Engine.accumulate``).
-      offload: ``"cpu"`` keeps master weights and transform state in (pinned) host memory and
-        runs the update there; params and grads stay on their device. Each step then waits
-        for its grads on the host (a device->host copy), by construction. Default ``None``.
-      donate: ``step`` writes the new optimizer state and params into the input ``state``'s and
-        ``params``' buffers and returns them (JAX's ``donate_argnums``): the inputs must not be
-        used again. With ``torch.compile`` the FP32 state then exists once during the step;
-        FP16/BF16 params passed as a pytree (not the flat buffer) then come back in a new
-        ``[N*S]`` buffer, which is cheaper there than writing each leaf. Without (default), the
-        step is pure and holds old and new state at its peak.
-      chunk_numel: an eager step on a CPU shard (CPU training, or ``offload``) updates it in
-        chunks of this many elements (default 2**18), so its temporaries stay cache-sized
-        (``None``: all at once). Results do not depend on it; compiled steps and CUDA shards
-        ignore it.
-      simulate: ``(rank, world_size)``: shorthand for ``group=SimulatedComm(rank, world_size)``:
-        act as that rank of that many ranks with no process group, every rank holding the
-        same grads (for memory accounting on one device); ``(rank, shards, replicas)``: a rank
-        of a hybrid mesh.
-      master: ``"fp32"`` (default): an FP32 master shard, 4S bytes. ``"remainder"`` (BF16
-        params only): an int16 ``[S]`` remainder below this rank's BF16 params shard instead,
-        2S bytes, from which the step rebuilds the exact FP32 master and into which it splits
-        it again (``fzero.remainder``): the same training bit for bit, state 10S instead of 12S.
-      call_timeout: seconds a collective call off the hot path (``init``, ``load_params``,
-        ``time_collectives``, the ``fzero.checkpoint`` functions) waits for every rank to reach
-        it; then every waiting rank raises naming the ranks that did not (default 60). A rank in
-        another fzero call, or one that failed inside ``try: ... finally: fzero.shutdown()``,
-        makes them raise at once (``fzero.arrival``).
-    """
-    options = dict(locals())
-    return Engine(options.pop("tx"), **options)

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
-from .flat import unflatten
+from .flat import Layout, flat_buffer, flatten, shard_of, unflatten
 from .grads import GradPath, Reduced
 from .mode import StepMode
 from .update import ShardGrads, choose, sum_of_squares, write_into
 
-__all__ = ["Checked", "reduce", "norm_and_overflow", "update", "gather"]
+__all__ = ["Checked", "reduce", "norm_and_overflow", "update", "gather", "own_buffer", "cast_target", "params_shard"]
 
 
 def reduce(path: GradPath, grads: Any, mode: StepMode) -> Reduced:
@@ -80,3 +81,27 @@ def gather(path: GradPath, shard: torch.Tensor, params: Any, mode: StepMode, cas
     new_params = path.comm.all_gather(shard.to(path.device, non_blocking=True), path.layout)
     new_params = new_params if mode.flat_in else unflatten(new_params, path.layout, like=params)
     return write_into(params, new_params) if mode.write_params else new_params
+
+
+def own_buffer(params: Any, layout: Layout, flat_in: bool) -> torch.Tensor | None:
+    """The flat buffer ``params`` are (views of), or ``None`` if they are not (then the step
+    writes a new one and copies it into ``params``)."""
+    if flat_in:
+        return params
+    try:
+        return flat_buffer(optree.tree_leaves(params), layout)
+    except ValueError:
+        return None
+
+
+def cast_target(params: Any, layout: Layout, mode: StepMode) -> torch.Tensor | None:
+    """Where the update casts the params shard: the params' own buffer with
+    ``mode.cast_into_params`` (if they are views of one), else ``None`` (a new tensor)."""
+    return own_buffer(params, layout, mode.flat_in) if mode.cast_into_params else None
+
+
+def params_shard(params: Any, layout: Layout, rank: int, mode: StepMode) -> torch.Tensor:
+    """This rank's ``[S]`` shard of the params' flat buffer: a view of their own buffer where
+    ``mode.own_buffer`` allows looking it up and they are views of one, else laid out anew."""
+    flat = own_buffer(params, layout, mode.flat_in) if mode.own_buffer else None
+    return shard_of(flatten(params, layout) if flat is None else flat, layout, rank)
