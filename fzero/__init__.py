@@ -2,8 +2,9 @@
 from . import checkpoint
 from .comm import CollectiveError, shutdown
 from .diagnostics import nonfinite_leaves
-from .engine import Accumulated, Engine, ZeroState, zero1
+from .engine import Accumulated, Engine, ZeroState
 from .flat import Layout, flatten, make_layout, shard_of, tree_shard, unflatten
+from .options import zero1
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale, scale_loss
 
 __all__ = [

@@ -11,11 +11,11 @@ import optree
 import torch
 
 from .flat import Layout, leaf_paths
+from .mode import compiling
 from .scaler import DynamicLossScale, LossScaleState, StaticLossScale
 
 __all__ = [
     "PARAM_DTYPES",
-    "check_master",
     "check_param_dtype",
     "check_options",
     "check_params",
@@ -28,8 +28,6 @@ __all__ = [
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
 
 
 def check_param_dtype(dtype) -> torch.dtype:
@@ -56,23 +54,13 @@ def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, buck
         raise ValueError(f"call_timeout must be a positive number of seconds, got {call_timeout!r}")
 
 
-def check_master(master: str, param_dtype: torch.dtype) -> str:
-    """``zero1(master=...)``: ``"fp32"``, or ``"remainder"`` with BF16 params."""
-    if master not in ("fp32", "remainder"):
-        raise ValueError(f"master must be 'fp32' or 'remainder', got {master!r}")
-    if master == "remainder" and param_dtype != torch.bfloat16:
-        raise ValueError(f"master='remainder' stores the FP32 master as the BF16 params plus an int16 remainder: it needs "
-                         f"param_dtype=torch.bfloat16, got {param_dtype} (use master='fp32')")
-    return master
-
-
-def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: int, tx_leaves, tx_spec,
-                master_dtype: torch.dtype = torch.float32) -> None:
+def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: int, tx_leaves, tx_spec, *,
+                master_dtype: torch.dtype, compiled: bool) -> None:
     """``state``/``scaler_state`` must be what this engine's ``init``/``step`` returned: a
-    ``state_type`` whose master is the ``[shard_numel]`` shard of ``master_dtype`` (FP32, or the
-    int16 remainder of ``master="remainder"``) and whose transform state
+    ``state_type`` whose master is the ``[shard_numel]`` shard of ``master_dtype`` (its storage's,
+    ``fzero.storage``: FP32, or the int16 remainder of ``master="remainder"``) and whose transform state
     has the ``tx_leaves`` ``(path, shape, dtype)`` and structure ``tx_spec`` that ``init`` built
-    (static facts only: no host sync, nothing traced)."""
+    (static facts only: no host sync, nothing traced; ``compiled``: traced by ``torch.compile``)."""
     if not isinstance(state, state_type):
         raise TypeError(f"state must be the {state_type.__name__} from this engine's init/step, got {type(state).__name__}")
     if not isinstance(scaler_state, LossScaleState):
@@ -84,7 +72,7 @@ def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: in
                          "the state of another engine (another model, world size, layout or master=)?")
     paths, leaves, spec = leaf_paths(state.tx_state)
     # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked.
-    if len(leaves) != len(tx_leaves) or (not _compiling() and spec != tx_spec):
+    if len(leaves) != len(tx_leaves) or (not compiled and spec != tx_spec):
         raise ValueError(f"state.tx_state is {spec}, this engine's transform built {tx_spec}: "
                          "the state of another engine (another transform)?")
     if any(not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype
@@ -154,7 +142,7 @@ def check_like_layout(
     leaves = optree.tree_leaves(tree)
     # Dynamo cannot trace a PyTreeSpec comparison; a compiled step still checks the leaf count
     # and every shape below, and guards on the structure it was traced with.
-    if len(leaves) != len(layout.paths) or (not _compiling() and optree.tree_structure(tree) != layout.treespec):
+    if len(leaves) != len(layout.paths) or (not compiling() and optree.tree_structure(tree) != layout.treespec):
         paths = leaf_paths(tree)[0]
         diff = first_difference([(p, "") for p in paths], [(p, "") for p in layout.paths])
         raise ValueError(f"{what} structure differs from params: {diff or 'the container types differ'}")

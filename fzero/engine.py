@@ -11,51 +11,33 @@ Per rank, with P parameter elements, N ranks and S = padded P / N:
 
 The step is pure unless ``donate=True``: it returns new params/state and leaves its inputs
 untouched. Where the parts live: the flat layout in ``fzero.flat``, every collective in
-``fzero.comm``, the gradient forms and accumulation in ``fzero.grads``, the update on the shard
-in ``fzero.update``, the loss scale in ``fzero.scaler``.
+``fzero.comm``, the gradient forms and accumulation in ``fzero.grads``, the decisions of a step
+in ``fzero.mode``, its stages in ``fzero.stages``, the update variants in ``fzero.update``, how
+the master is stored in ``fzero.storage``, the state and binding ``init`` builds in
+``fzero.binding``, the loss scale in ``fzero.scaler``.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
 
-from transforms import ShardContext, scalar
-
-from . import checks, lineage
+from . import checks, lineage, stages
+from .binding import Binding, ZeroState, config_table, fresh_state, to_state_device
 from .comm import Comm, SimulatedComm, comm_of_mesh
-from .flat import Layout, flat_buffer, flatten, leaf_paths, make_layout, per_leaf_shard, shard_of, tree_shard, unflatten
-from .grads import Accumulated, GradPath, Segments
+from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
+from .grads import Accumulated, GradPath
+from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
-from .remainder import join, split
-from .update import cast_params, sum_of_squares, update_shard, write_into
+from .storage import master_storage
+from .update import cast_params, write_into
 
-__all__ = ["ZeroState", "Accumulated", "Engine", "zero1", "cast_params"]
-
-
-class ZeroState(NamedTuple):
-    """``master``: ``[S]`` FP32 master weights of this rank's shard. ``tx_state``: the
-    transform's state, built on that shard (e.g. Adam's ``count``, ``mu [S]``, ``nu [S]``)."""
-
-    master: torch.Tensor
-    tx_state: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Bound:
-    """What ``init`` fixes: the gradient path (layout, communicator, device, dtypes), where the
-    state lives, and the transform state's leaves ``(path, shape, dtype)`` and structure."""
-
-    grads: GradPath
-    state_device: torch.device
-    tx_leaves: tuple
-    tx_spec: optree.PyTreeSpec
+__all__ = ["ZeroState", "Accumulated", "Engine", "cast_params"]
 
 
 class Engine:
-    """Built by :func:`zero1`; the arguments are documented there.
+    """Built by ``fzero.zero1`` (``fzero.options``); the arguments are documented there.
 
     ``init`` binds the engine to one layout (the params' structure and shapes, the world size,
     the device), once; ``step`` is then a function of its arguments and that static metadata,
@@ -68,7 +50,8 @@ class Engine:
                  offload, donate, chunk_numel, simulate, master, call_timeout):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
-        self.master = checks.check_master(master, self.param_dtype)
+        self.storage = master_storage(master, self.param_dtype)  # how state.master holds the FP32 master
+        self.master = self.storage.name
         if loss_scale == "auto":
             loss_scale = DynamicLossScale() if param_dtype == torch.float16 else None
         self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
@@ -88,7 +71,7 @@ class Engine:
             self.comm = comm_of_mesh(mesh)
         else:
             self.comm = group if isinstance(group, (Comm, SimulatedComm)) else Comm.of(group)
-        self._bound: _Bound | None = None
+        self._bound: Binding | None = None
 
     @property
     def layout(self) -> Layout | None:
@@ -99,6 +82,12 @@ class Engine:
     def device(self) -> torch.device | None:
         """Where params and grads live (``None`` before ``init``)."""
         return None if self._bound is None else self._bound.grads.device
+
+    @property
+    def grad_path(self) -> GradPath:
+        """The ``fzero.grads.GradPath`` ``init`` fixed: layout, communicator, device and dtypes of
+        the grads, and the ways to reduce and accumulate them. Raises before ``init``."""
+        return self._ready().grads
 
     # ------------------------------------------------------------------ init
     def init(self, params: Any) -> tuple[Any, ZeroState, LossScaleState]:
@@ -118,15 +107,16 @@ class Engine:
             shard = tree_shard(params, layout, comm.rank, dtype=torch.float32)
             shard = comm.replicate_shard(shard)  # with replicas: the first one's, so that all copies agree
             first_params = cast_params(shard, self.param_dtype, copy=True)
-        state = self._fresh_state(params, layout, self._to_state_device(shard, state_device))
-        state = self._stored(state, first_params)  # master="remainder": the int16 remainder below the params
+        state = fresh_state(self.tx, params, layout, comm.rank, to_state_device(shard, state_device))
+        state = self.stored(state, first_params)
         # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
         # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
-        comm.check_same("engine configuration", {**layout.table(), **self._config_table(layout, state.tx_state)})
+        settings = {"param_dtype": str(self.param_dtype), "master": self.master, "reduce_dtype": str(self.reduce_dtype),
+                    "loss_scale": repr(self.loss_scale), "stage": str(self.stage), "offload": repr(self.offload)}
+        comm.check_same("engine configuration", {**layout.table(), **config_table(settings, layout, state.tx_state)})
         reduce_dtype = self.param_dtype if comm.data_parallel == 1 else self.reduce_dtype
-        paths, leaves, spec = leaf_paths(state.tx_state)
-        bound = _Bound(GradPath(layout, comm, device, self.param_dtype, reduce_dtype, self.stage), state_device,
-                       tuple((p, x.shape, x.dtype) for p, x in zip(paths, leaves)), spec)
+        bound = Binding.of(GradPath(layout, comm, device, self.param_dtype, reduce_dtype, self.stage), state_device,
+                           state.tx_state)
         if self._bound is None:
             self._bound = bound
         elif self._bound != bound:
@@ -154,80 +144,44 @@ class Engine:
         with torch.no_grad():
             shard = comm.replicate_shard(tree_shard(values, layout, comm.rank, dtype=torch.float32))
             params_shard = cast_params(shard, self.param_dtype, copy=True)
-            new_state = self._stored(ZeroState(self._to_state_device(shard, b.state_device), state.tx_state),
-                                     params_shard)
+            new_state = self.stored(ZeroState(to_state_device(shard, b.state_device), state.tx_state), params_shard)
             new_params = unflatten(comm.all_gather(params_shard, layout), layout)
         lineage.mark(new_params, new_state.master)
         return new_params, new_state
-
-    def _fresh_state(self, params: Any, layout: Layout, master: torch.Tensor) -> ZeroState:
-        """The transform initialized on the master shard; per-leaf settings (masks) refer to the
-        ``params`` pytree and become bool shards like the master."""
-        def to_shard(per_leaf):
-            return per_leaf_shard(per_leaf, layout, self.comm.rank, dtype=torch.bool, device=master.device)
-
-        return ZeroState(master, self.tx.init(master, context=ShardContext(params, to_shard)))
-
-    def _config_table(self, layout: Layout, tx_state: Any) -> dict[str, str]:
-        """The settings every rank must share besides the layout, as printable entries: dtypes,
-        loss scaling, stage, offload and the transform's state (structure, each leaf's dtype and
-        shape, and the value of each 0-d leaf: counts and hyperparameters; read once, at init)."""
-        out = {"param_dtype": str(self.param_dtype), "master": self.master, "reduce_dtype": str(self.reduce_dtype),
-               "loss_scale": repr(self.loss_scale), "stage": str(self.stage), "offload": repr(self.offload),
-               "transform state": str(optree.tree_structure(tx_state))}
-        for path, x in zip(*leaf_paths(tx_state)[:2]):
-            if isinstance(x, torch.Tensor):
-                what = "[S]" if x.shape == (layout.shard_numel,) else repr(x.item()) if x.ndim == 0 else str(tuple(x.shape))
-                out[f"transform leaf {path}"] = f"{what} {x.dtype}"
-        return out
 
     def state_like(self) -> tuple[ZeroState, LossScaleState]:
         """A fresh ``(state, scaler_state)`` with the structure, dtypes and devices ``init``
         built, with an FP32 master in either ``master`` mode (what a checkpoint holds): the
         template that ``fzero.checkpoint.load`` fills. Needs ``init`` first."""
         b = self._ready()
-        layout = b.grads.layout
-        master = self._to_state_device(torch.zeros(layout.shard_numel, device=b.grads.device), b.state_device)
+        layout, device = b.grads.layout, b.grads.device
+        master = to_state_device(torch.zeros(layout.shard_numel, device=device), b.state_device)
         # the transform's init may look at the params' shapes (masks); values are not needed
-        like = layout.treespec.unflatten([torch.zeros((), device=b.grads.device).expand(s) for s in layout.shapes])
-        return self._fresh_state(like, layout, master), self.loss_scale.init(b.grads.device)
+        like = layout.treespec.unflatten([torch.zeros((), device=device).expand(s) for s in layout.shapes])
+        return fresh_state(self.tx, like, layout, self.comm.rank, master), self.loss_scale.init(device)
 
+    # ------------------------------------------------------------------ the master's storage
     def with_fp32_master(self, params: Any, state: ZeroState, *, where: str = "engine.with_fp32_master") -> ZeroState:
         """``state`` with its FP32 master shard: with ``master="remainder"`` rebuilt, exactly,
         from this rank's shard of ``params`` (pytree or flat buffer) and the remainder; the
         state itself otherwise. Raises (naming ``where``) if ``params`` were edited in place
         since the engine returned them, or, with the remainder, come from another step
         (``fzero.lineage``)."""
-        flat_in = self._ready().grads.check(params, "params")
-        lineage.check(params, state.master, where=where, same_step=self.master == "remainder")
-        return self._joined(params, flat_in, state)
+        mode = self._begin(params)[1]
+        lineage.check(params, state.master, where=where, same_step=self.storage.reads_params)
+        return self._full(params, state, mode)
 
-    def _joined(self, params: Any, flat_in: bool, state: ZeroState) -> ZeroState:
-        """``with_fp32_master`` for params already checked (``flat_in``: the flat buffer)."""
-        if self.master != "remainder":
-            return state
-        shard = self._param_shard(params, flat_in)
-        return ZeroState(join(shard.to(state.master.device), state.master), state.tx_state)
+    def stored(self, state: ZeroState, params_shard: torch.Tensor) -> ZeroState:
+        """What the state keeps of ``state``, whose master is FP32 and whose params shard (that
+        master cast to ``param_dtype``) is ``params_shard``: ``fzero.storage``'s ``store`` (the
+        int16 remainder with ``master="remainder"``, the state itself with ``"fp32"``)."""
+        return state._replace(master=self.storage.store(state.master, params_shard))
 
-    def _stored(self, state: ZeroState, params_shard: torch.Tensor) -> ZeroState:
-        """What the state keeps of an FP32-master ``state`` whose params shard (its BF16
-        rounding) is ``params_shard``: the int16 remainder with ``master="remainder"``."""
-        if self.master != "remainder":
-            return state
-        return ZeroState(split(state.master, params_shard.to(state.master.device)), state.tx_state)
-
-    def _param_shard(self, params: Any, flat_in: bool) -> torch.Tensor:
-        """This rank's ``[S]`` shard of the params' flat buffer (a view where it can be)."""
-        layout, rank = self._bound.grads.layout, self.comm.rank
-        flat = self._own_buffer(params, flat_in) if flat_in or not torch.compiler.is_compiling() else None
-        return shard_of(flatten(params, layout) if flat is None else flat, layout, rank)
-
-    @staticmethod
-    def _to_state_device(t: torch.Tensor, state_device: torch.device) -> torch.Tensor:
-        if state_device == t.device:
-            return t
-        # Pinned host memory makes the per-step host<->device copies asynchronous DMA.
-        return t.to(state_device).pin_memory() if torch.cuda.is_available() else t.to(state_device)
+    def _full(self, params: Any, state: ZeroState, mode: StepMode) -> ZeroState:
+        """``state`` with the FP32 master its storage rebuilds (from this rank's params shard,
+        which only a storage that reads the params asks for)."""
+        shard = lambda: stages.params_shard(params, self.layout, self.comm.rank, mode)
+        return state._replace(master=self.storage.full(state.master, shard))
 
     # ------------------------------------------------------------------ step
     def step(self, params: Any, grads: Any, state: ZeroState, scaler_state: LossScaleState):
@@ -246,74 +200,25 @@ class Engine:
         transform's ``hyperparams`` at this step (``lr``: the learning rate it applied, or would
         have; a non-finite one skips the update, the loss scale unchanged).
         """
-        b = self._ready()
-        path, comm, layout = b.grads, b.grads.comm, b.grads.layout
-        flat_in = path.check(params, "params")  # the flat buffer itself (flat_params) or the pytree
-        checks.check_state(state, scaler_state, ZeroState, layout.shard_numel, b.tx_leaves, b.tx_spec,
-                           master_dtype=torch.int16 if self.master == "remainder" else torch.float32)
-        lineage.check(params, state.master, where="engine.step", same_step=self.master == "remainder")
-        given, state = state, self._joined(params, flat_in, state)  # remainder: join the params shard and it
-        scale = scaler_state.scale
+        b, mode = self._begin(params)
+        path = b.grads
+        checks.check_state(state, scaler_state, ZeroState, path.layout.shard_numel, b.tx_leaves, b.tx_spec,
+                           master_dtype=self.storage.dtype, compiled=mode.compiled)
+        lineage.check(params, state.master, where="engine.step", same_step=self.storage.reads_params)
+        given, state = state, self._full(params, state, mode)  # the FP32 master (remainder: joined)
 
-        # 1. Reduce: this rank's [S] shard of the grads over ranks; shard * factor is their mean
-        #    (the user's grads take one of two forms at the door, see fzero.grads). Eager, with a
-        #    fused kernel, it is read as Segments, chunk by chunk: at world size 1 the grad leaves.
-        fused = self.tx.fused is not None and not torch.compiler.is_compiling()  # torch's kernel, eager
-        reduced = path.reduce(path.to_form(grads, segments=fused))
+        reduced = stages.reduce(path, grads, mode)
+        checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self.tx, state.tx_state, mode)
+        out = stages.cast_target(params, path.layout, mode)
+        master, tx_state, shard = stages.update(self.tx, checked, state.master, state.tx_state,
+                                                param_dtype=self.param_dtype, mode=mode, out=out)
+        new_params = stages.gather(path, shard, params, mode, cast_into_params=out is not None)
+        scale, scaler_state = scaler_state.scale, self.loss_scale.update(scaler_state, checked.found_inf)
 
-        # 2. One small all-reduce: the global sum of squares of the mean unscaled grads, which are
-        #    shard / grad_scale. Summed from the shard as it came, scaled (in FP32 for FP16 grads:
-        #    it cannot overflow, see fzero.update). Any inf/NaN on any rank makes it non-finite,
-        #    so it doubles as the cross-rank found_inf agreement. Padding is zero.
-        grad_scale = scalar(scale * reduced.count / reduced.factor)
-        shard = reduced.shard if isinstance(reduced.shard, Segments) else Segments.of(reduced.shard, reduced.owned)
-        acc = torch.float32 if self.param_dtype == torch.float16 else torch.float64
-        sumsq = comm.all_reduce_sum(sum_of_squares(shard, dtype=acc) / grad_scale.double().square())
-        found_inf = ~torch.isfinite(sumsq)
-        # One NaN for every overflow: a NaN's sign and payload come from whichever operand the
-        # kernels met first, which changes with the fusion of the compiled graph around it.
-        norm = torch.where(torch.isnan(sumsq), torch.nan, torch.sqrt(sumsq))
-        # A transform's values at this step that are not stored (a schedule's lr): the same on
-        # every rank; a non-finite one skips the update like an overflow (the loss scale stays).
-        rates = self.tx.hyperparams(state.tx_state) if self.tx.hyperparams else {}
-        skip = found_inf
-        for v in rates.values():
-            skip = skip | ~torch.isfinite(v)
-
-        # 3. Mean over ranks and micro-batches, unscaled: fused, the kernel divides by grad_scale
-        #    inside its own pass (see fzero.update); else one FP32 multiply.
-        g = shard if fused else reduced.shard.float() * scalar(reduced.factor / (scale * reduced.count))
-
-        # 4-6. Transform, skip if not finite, cast: on the FP32 shard (on the host with offload:
-        #      a blocking copy there), with the fused kernel or in cache-sized chunks when eager.
-        #      With donate at world size 1 the cast goes straight into the params' own buffer.
-        out = self._own_buffer(params, flat_in) if fused and self.donate and comm.world_size == 1 else None
-        g = g if fused else g.to(b.state_device)
-        skip, norm_there = skip.to(b.state_device), norm.to(b.state_device)
-        master, tx_state, shard = update_shard(
-            self.tx, g, state.master, state.tx_state, skip, norm_there, param_dtype=self.param_dtype,
-            grad_scale=grad_scale.to(b.state_device) if fused else None, chunk_numel=self.chunk_numel,
-            donate=self.donate, out=out)
-
-        # 7. Gather everyone's cast shard into the new flat param buffer.
-        #    (Cast into the params' own buffer at world size 1: they are the new params already.)
-        if shard is out:
-            new_params = params
-        else:
-            new_params = comm.all_gather(shard.to(path.device, non_blocking=True), layout)
-            new_params = new_params if flat_in else unflatten(new_params, layout, like=params)
-            # Compiled, writing a pytree's leaves in place costs more than the whole update:
-            # inductor keeps the new FP32 master in a shard-sized temporary to cast each leaf
-            # from, so donated FP16/BF16 params come back in a new buffer (docs/performance.md).
-            # FP32 params are the master itself: a new buffer would be one more copy of it.
-            in_place = self.donate and (flat_in or not torch.compiler.is_compiling() or self.param_dtype == torch.float32)
-            new_params = write_into(params, new_params) if in_place else new_params
-
-        scaler_state = self.loss_scale.update(scaler_state, found_inf)
-        info = {"found_inf": found_inf, "loss_scale": scale, "grad_norm": norm.float(),
-                "scale_stuck": self.loss_scale.stuck(scaler_state), **rates}
-        new_state = self._stored(ZeroState(master, tx_state), shard)  # master="remainder": split again
-        if self.donate:  # write into the inputs' buffers: no allocation of state
+        info = {"found_inf": checked.found_inf, "loss_scale": scale, "grad_norm": checked.norm.float(),
+                "scale_stuck": self.loss_scale.stuck(scaler_state), **checked.rates}
+        new_state = self.stored(ZeroState(master, tx_state), shard)  # what the storage keeps of the FP32 master
+        if mode.donate:  # write into the inputs' buffers: no allocation of state
             new_state = lineage.hand_over(write_into(given, new_state))
         lineage.mark(new_params, new_state.master)
         return new_params, new_state, scaler_state, info
@@ -353,23 +258,25 @@ class Engine:
         return flat_buffer(leaves, path.layout)
 
     # ------------------------------------------------------------------ helpers
-    def _own_buffer(self, params: Any, flat_in: bool) -> torch.Tensor | None:
-        """The flat buffer ``params`` are (views of), or ``None`` if they are not (then the
-        step writes a new one and copies it into ``params``)."""
-        if flat_in:
-            return params
-        try:
-            return flat_buffer(optree.tree_leaves(params), self.layout)
-        except ValueError:
-            return None
+    def _ready(self) -> Binding:
+        """The binding ``init`` fixed, the communicator checked (eager)."""
+        return self._checked(compiling())
 
-    def _ready(self) -> _Bound:
+    def _begin(self, params: Any) -> tuple[Binding, StepMode]:
+        """The binding and the ``StepMode`` of a call that takes ``params`` (checked)."""
+        b = self._bound or self._checked(False)  # raises before init
+        mode = StepMode.choose(has_fused=self.tx.fused is not None, donate=self.donate, chunk_numel=self.chunk_numel,
+                               param_dtype=self.param_dtype, world_size=self.comm.world_size,
+                               state_device=b.state_device, flat_in=b.grads.check(params, "params"))
+        return self._checked(mode.compiled), mode
+
+    def _checked(self, compiled: bool) -> Binding:
         if self._bound is None:
             raise RuntimeError("engine.step called before engine.init")
         # Eager only: traced, the check would put the ProcessGroup object into the graph (as a
         # script object), which then keeps the group's backend threads alive after
         # destroy_process_group. A compiled step's collectives name their group instead.
-        if not torch.compiler.is_compiling():
+        if not compiled:
             self.comm.check_unchanged()
         return self._bound
 
@@ -385,73 +292,3 @@ class Engine:
     def state_bytes(self, state: ZeroState) -> int:
         """Bytes of tensor storage this rank holds for optimizer state (master + transform)."""
         return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor))
-
-
-def zero1(
-    tx,
-    *,
-    param_dtype: torch.dtype = torch.float16,
-    loss_scale="auto",
-    group=None,
-    mesh=None,
-    reduce_dtype: torch.dtype = torch.float32,
-    alignment: int = 64,
-    bucket_bytes: int | None = None,
-    stage: int = 1,
-    offload: str | None = None,
-    donate: bool = False,
-    chunk_numel: int | None = 2**18,
-    simulate: tuple[int, ...] | None = None,
-    master: str = "fp32",
-    call_timeout: float = 60.0,
-) -> Engine:
-    """A ZeRO engine (stage 1 by default) for gradient transformation ``tx``.
-
-    Args:
-      param_dtype: dtype of the model params the user sees: fp16 (default), bf16 or fp32.
-      loss_scale: ``DynamicLossScale()``, ``StaticLossScale(s)`` or ``None`` (no scaling);
-        default ``"auto"``: dynamic for fp16, none otherwise.
-      group: a ProcessGroup; ``None`` = WORLD if torch.distributed is initialized, else one
-        process; or a communicator (``fzero.comm.Comm``, ``SimulatedComm``, or a subclass).
-      mesh: a ``DeviceMesh`` instead of ``group``: 1-D, the same as ``group=`` its group; 2-D
-        with ``mesh_dim_names=("replicate", "shard")``, hybrid sharding: master and moments
-        sharded over ``shard`` (12P/S bytes per rank), replicated over ``replicate``; grads
-        reduce-scattered inside the shard group, the shard all-reduced over the replicate
-        group, params all-gathered inside the shard group (``fzero.comm.HybridComm``).
-      reduce_dtype: dtype of the gradient reduce-scatter: FP32 (default; 2x the wire bytes of
-        FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
-      alignment: each rank's slice of each bucket is a multiple of this many elements (64).
-      bucket_bytes: split the flat buffer into buckets of about this many param bytes, each
-        sharded across all ranks (one reduce-scatter and all-gather per bucket), filled in
-        reverse leaf order; ``None`` (default): one bucket.
-      stage: 1 (default), or 2 for gradient accumulation that reduce-scatters every
-        micro-batch and keeps only this rank's FP32 shard of the sum (see ``Engine.accumulate``).
-      offload: ``"cpu"`` keeps master weights and transform state in (pinned) host memory and
-        runs the update there; params and grads stay on their device. Each step then waits
-        for its grads on the host (a device->host copy), by construction. Default ``None``.
-      donate: ``step`` writes the new optimizer state and params into the input ``state``'s and
-        ``params``' buffers and returns them (JAX's ``donate_argnums``): the inputs must not be
-        used again. With ``torch.compile`` the FP32 state then exists once during the step;
-        FP16/BF16 params passed as a pytree (not the flat buffer) then come back in a new
-        ``[N*S]`` buffer, which is cheaper there than writing each leaf. Without (default), the
-        step is pure and holds old and new state at its peak.
-      chunk_numel: an eager step on a CPU shard (CPU training, or ``offload``) updates it in
-        chunks of this many elements (default 2**18), so its temporaries stay cache-sized
-        (``None``: all at once). Results do not depend on it; compiled steps and CUDA shards
-        ignore it.
-      simulate: ``(rank, world_size)``: shorthand for ``group=SimulatedComm(rank, world_size)``:
-        act as that rank of that many ranks with no process group, every rank holding the
-        same grads (for memory accounting on one device); ``(rank, shards, replicas)``: a rank
-        of a hybrid mesh.
-      master: ``"fp32"`` (default): an FP32 master shard, 4S bytes. ``"remainder"`` (BF16
-        params only): an int16 ``[S]`` remainder below this rank's BF16 params shard instead,
-        2S bytes, from which the step rebuilds the exact FP32 master and into which it splits
-        it again (``fzero.remainder``): the same training bit for bit, state 10S instead of 12S.
-      call_timeout: seconds a collective call off the hot path (``init``, ``load_params``,
-        ``time_collectives``, the ``fzero.checkpoint`` functions) waits for every rank to reach
-        it; then every waiting rank raises naming the ranks that did not (default 60). A rank in
-        another fzero call, or one that failed inside ``try: ... finally: fzero.shutdown()``,
-        makes them raise at once (``fzero.arrival``).
-    """
-    options = dict(locals())
-    return Engine(options.pop("tx"), **options)

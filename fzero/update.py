@@ -11,15 +11,19 @@ inductor fuses the update into one loop, so it runs on the whole shard.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from .grads import Segments
+from transforms import FusedStep, scalar
+
+from .grads import Reduced, Segments
+from .mode import StepMode
 from .remainder import round_bf16
 
-__all__ = ["update_shard", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
+__all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "generic_whole", "sum_of_squares",
+           "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
 def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
@@ -62,14 +66,15 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype):
 NORM_BLOCK, NORM_ROW = 2**18, 256  # the eager sum of squares: elements per block, per row
 
 
-def sum_of_squares(g: Segments, *, dtype: torch.dtype) -> torch.Tensor:
+def sum_of_squares(g: Segments, *, dtype: torch.dtype, compiled: bool = False) -> torch.Tensor:
     """``sum(g**2)`` over the elements of ``g`` as a 0-d float64; non-finite iff some element
     is inf or NaN.
 
     The norms of rows of ``NORM_ROW`` elements accumulated in ``dtype``, squared and summed in
     float64. Eager, the rows are those of ``g.pieces(NORM_BLOCK)`` (any cast stays block-sized),
     the same pieces whether ``g`` is a grads pytree or the flat buffer, whatever ``chunk_numel``:
-    so is the result, bitwise. Compiled, of the whole parts (inductor fuses the cast).
+    so is the result, bitwise. ``compiled`` (traced by ``torch.compile``): of the whole parts
+    (inductor fuses the cast).
 
     float64 never overflows for finite FP32 inputs (FP32 squares overflow above 1.8e19, which
     would pass for an inf); FP32 is 3x faster and safe when every element is a sum of at most
@@ -78,7 +83,7 @@ def sum_of_squares(g: Segments, *, dtype: torch.dtype) -> torch.Tensor:
     # Rows of NORM_ROW elements (a running sum of 256 terms loses ~1e-7 at worst; one over 2^18
     # terms, 1e-4): each piece's full rows, then every tail that fills no row, zero-padded.
     rows, tails = [], []
-    for p in g.parts if torch.compiler.is_compiling() else g.pieces(NORM_BLOCK):
+    for p in g.parts if compiled else g.pieces(NORM_BLOCK):
         n = p.numel() // NORM_ROW * NORM_ROW
         rows += [p[:n].view(-1, NORM_ROW)] if n else []
         tails += [p[n:]] if n < p.numel() else []
@@ -101,14 +106,52 @@ def _slices(tree: Any, S: int, lo: int, hi: int) -> Any:
     return optree.tree_map(lambda x: x[lo:hi] if isinstance(x, torch.Tensor) and x.shape == (S,) else x, tree)
 
 
-def _fused_update(tx, g: Segments, master, tx_state, skip, norm, grad_scale, *, param_dtype, chunk, donate, out):
-    """``tx.fused``'s kernel chunk by chunk, in place on ``master`` and ``tx_state`` (or on
-    copies of their ``[S]`` tensors), each chunk cast into ``out`` right after; ``None`` if the
-    transform declines (before anything is written)."""
-    plan = tx.fused(tx_state, grad_scale=grad_scale, found_inf=skip, grad_norm=norm)
-    if plan is None or plan.kernel is None:
-        return None
-    S = master.numel()
+class ShardGrads(NamedTuple):
+    """This rank's reduced grads as the update reads them: ``shard * factor`` is the sum over
+    ``count`` micro-batches of the mean over ranks of the grads times ``scale`` (the loss scale);
+    ``shard`` is the ``[S]`` tensor, or ``Segments`` of it (the eager fused step).
+    ``owned``: ``shard`` is no caller's tensor. ``grad_scale`` (0-d FP32): what the grads are
+    divided by to be the mean unscaled grads."""
+
+    shard: torch.Tensor | Segments
+    factor: float
+    count: torch.Tensor | int
+    scale: torch.Tensor
+    owned: bool
+    grad_scale: torch.Tensor
+
+    @classmethod
+    def of(cls, reduced: Reduced, scale: torch.Tensor) -> "ShardGrads":
+        grad_scale = scalar(scale * reduced.count / reduced.factor)
+        return cls(reduced.shard, reduced.factor, reduced.count, scale, reduced.owned, grad_scale)
+
+    def segments(self) -> Segments:
+        return self.shard if isinstance(self.shard, Segments) else Segments.of(self.shard, self.owned)
+
+    def mean(self, device: torch.device) -> torch.Tensor:
+        """The FP32 mean unscaled grads ``[S]`` on ``device``: one FP32 multiply; ``Segments``
+        (read for a fused kernel that declined) divided by ``grad_scale`` as the kernel would."""
+        if isinstance(self.shard, Segments):
+            return self.shard.fp32(0, self.shard.numel, device) / self.grad_scale.to(device)
+        return (self.shard.float() * scalar(self.factor / (self.scale * self.count))).to(device)
+
+
+# The update variants (like torch.optim's _fused_adamw / _multi_tensor_adamw / _single_tensor_adamw)
+# share one signature: ``(tx, fused, grads, master, tx_state, skip, norm, *, param_dtype, chunk,
+# donate, out) -> (master, tx_state, params shard)``. ``fused``: the ``FusedStep`` the transform
+# gave for this step (``fused_chunks`` only, else ``None``); ``grads``: ``ShardGrads``; ``skip`` 0-d bool (keep
+# every old value); ``norm`` the global grad norm (float64, for clipping); ``chunk``: elements per
+# chunk (``None``: the whole shard); ``donate``: write into the inputs' own buffers (else new
+# ones: the step stays pure); ``out``: an ``[S]`` ``param_dtype`` tensor to cast the params shard
+# into (else a new one). Results do not depend on the chunking, and the fused and generic
+# variants agree to float rounding.
+
+def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk,
+                 donate, out):
+    """torch's fused kernel (one pass over master, grads and moments) chunk by chunk, in place on
+    ``master`` and ``tx_state`` (or on copies of their ``[S]`` tensors), reading the grads a chunk
+    at a time (``Segments.fp32``), each chunk cast into ``out`` right after."""
+    g, S = grads.segments(), master.numel()
     # Whole multiples of 64 elements: the kernel's vector loop and its scalar tail round
     # differently, so chunk edges elsewhere would change results.
     chunk = S if chunk is None else max(64, chunk // 64 * 64)
@@ -123,45 +166,42 @@ def _fused_update(tx, g: Segments, master, tx_state, skip, norm, grad_scale, *, 
     for i, (m, o) in enumerate(zip(cut(master), cut(out))):
         lo = i * chunk
         state_chunk = spec.unflatten([x if v is None else v[i] for x, v in zip(leaves, parts)])
-        plan.kernel(m, g.fp32(lo, lo + m.numel(), m.device), state_chunk)
+        fused.kernel(m, g.fp32(lo, lo + m.numel(), m.device), state_chunk)
         cast_params(m, param_dtype, out=o)
-    # the [S] tensors the kernel wrote, the 0-d leaves of the plan's state
-    return master, optree.tree_map(lambda full, new: full if is_shard(full) else new, tx_state, plan.state), out
+    # the [S] tensors the kernel wrote, the 0-d leaves of the fused step's state
+    return master, optree.tree_map(lambda full, new: full if is_shard(full) else new, tx_state, fused.state), out
 
 
-def update_shard(tx, g: torch.Tensor | Segments, master: torch.Tensor, tx_state: Any, skip: torch.Tensor,
-                 norm: torch.Tensor, *, param_dtype: torch.dtype, grad_scale: torch.Tensor | None,
-                 chunk_numel: int | None, donate: bool, out: torch.Tensor | None = None):
-    """``(master, tx_state, params shard)`` after one update of transform ``tx`` on the ``[S]``
-    shard: ``skip`` 0-d bool (keep every old value), ``norm`` the global grad norm (float64,
-    for clipping). ``g``: the FP32 mean grads ``[S]``; or, with ``grad_scale`` (0-d FP32),
-    ``Segments`` of the mean grads times ``grad_scale``, for ``tx.fused``. ``out``: an ``[S]``
-    ``param_dtype`` tensor to write the params shard into (else a new one; fused only).
+def generic_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
+    """``tx.update`` on the whole shard at once (compiled: inductor fuses it into one loop)."""
+    master, tx_state, shard = _update(tx, grads.mean(master.device), master, tx_state, skip, norm, param_dtype)
+    return master, tx_state, shard if out is None else out.copy_(shard)
 
-    ``tx.fused`` (torch's fused kernel: one pass over master, grads and moments) updates in
-    place -- the inputs' own buffers with ``donate``, else copies of them -- chunk by chunk on a
-    CPU shard (``chunk_numel``), reading the grads a chunk at a time (see ``Segments.fp32``).
-    Otherwise, or if it declines, the generic ``tx.update``; eager on a CPU shard it also runs
-    chunk by chunk, written into full-size outputs (the inputs' own buffers with ``donate``).
-    Results do not depend on the chunking, and the two ways agree to float rounding."""
-    S = master.numel()
-    chunk = chunk_numel if master.device.type == "cpu" and not torch.compiler.is_compiling() else None
-    if grad_scale is not None:
-        done = _fused_update(tx, g, master, tx_state, skip, norm, grad_scale, param_dtype=param_dtype, chunk=chunk,
-                             donate=donate, out=out)
-        if done is not None:
-            return done
-        g = g.fp32(0, S, master.device) / grad_scale  # declined before touching anything: the generic update
-    if chunk is None or chunk >= S:
-        return _update(tx, g, master, tx_state, skip, norm, param_dtype)
+
+def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
+    """``tx.update`` chunk by chunk, written into full-size outputs (the inputs' own buffers with
+    ``donate``): eager, each op's temporary stays cache-sized."""
+    g, S = grads.mean(master.device), master.numel()
     outs = None
     for lo, hi in _chunks(S, chunk):
         res = _update(tx, g[lo:hi], master[lo:hi], _slices(tx_state, S, lo, hi), skip, norm, param_dtype)
         if outs is None:  # full-size outputs; 0-d leaves as the first chunk computed them
             full = lambda old, new: (old if donate else torch.empty_like(old)) if old.shape == (S,) else new
             outs = (full(master, res[0]), optree.tree_map(full, tx_state, res[1]),
-                    torch.empty(S, dtype=param_dtype, device=g.device))
+                    torch.empty(S, dtype=param_dtype, device=g.device) if out is None else out)
         for o, new in zip(optree.tree_leaves(outs), optree.tree_leaves(res)):
             if o.shape == (S,):
                 o[lo:hi].copy_(new)
     return outs
+
+
+def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: int):
+    """``(variant, fused)`` for this step's update of an ``[numel]`` shard: ``fused_chunks`` with
+    the transform's ``FusedStep`` when the step is fused and the transform does not decline it
+    (it decides from its state, before anything is written; ``skip``/``norm`` on the state
+    device), else ``generic_chunks`` or ``generic_whole`` (``mode.chunk``), with ``None``."""
+    if mode.fused:
+        fused = tx.fused(tx_state, grad_scale=grads.grad_scale.to(mode.state_device), found_inf=skip, grad_norm=norm)
+        if fused is not None and fused.kernel is not None:
+            return fused_chunks, fused
+    return (generic_whole if mode.chunk is None or mode.chunk >= numel else generic_chunks), None

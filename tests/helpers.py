@@ -43,6 +43,15 @@ def odd_params(seed=0):
     }
 
 
+def ready_engine():
+    """An AdamW engine on ``odd_params`` in FP16, initialized: ``(engine, params, state,
+    scaler_state, grads)`` with FP16 grads like the params."""
+    p0 = odd_params()
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    params, state, ss = engine.init(p0)
+    return engine, params, state, ss, optree.tree_map(lambda g: g.half(), grads_like(p0, 0))
+
+
 def grads_like(params, seed, scale=1.0):
     g = torch.Generator().manual_seed(1000 + seed)
     return optree.tree_map(lambda p: torch.randn(p.shape, generator=g) * scale, params)

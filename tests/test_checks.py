@@ -1,10 +1,11 @@
-"""fzero.checks: the inputs ``init`` refuses, each with a message naming the leaf."""
+"""fzero.checks: the inputs ``init`` and ``step`` refuse, each with a message naming the leaf."""
 
 import pytest
 import torch
 
 import fzero
 import transforms
+from helpers import odd_params, ready_engine
 
 
 def engine():
@@ -37,3 +38,95 @@ def test_a_bool_hyperparameter_is_refused(value):
         transforms.set_hyperparams(state.tx_state, lr=value)
     with pytest.raises(ValueError, match="adamw: lr must be .*not a bool"):
         transforms.adamw(lr=value)
+
+
+# ---------------------------------------------------------------- step inputs
+@pytest.fixture
+def ready():
+    return ready_engine()
+
+
+def test_grads_wrong_dtype_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["w"] = grads["w"].float()
+    with pytest.raises(TypeError, match="grads leaf 'w' has dtype torch.float32, expected torch.float16"):
+        engine.step(params, grads, state, ss)
+
+
+def test_grads_requiring_grad_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["one"] = grads["one"].requires_grad_()
+    with pytest.raises(ValueError, match="grads leaf 'one' requires grad"):
+        engine.step(params, grads, state, ss)
+
+
+def test_params_not_from_the_engine_are_rejected(ready):
+    engine, params, state, ss, grads = ready
+    params["w"] = params["w"].float()
+    with pytest.raises(TypeError, match="params leaf 'w' has dtype torch.float32"):
+        engine.step(params, grads, state, ss)
+
+
+def test_non_contiguous_grads_are_accepted(ready):
+    engine, params, state, ss, grads = ready
+    grads["w"] = grads["w"].t().contiguous().t()  # same values, transposed strides
+    assert not grads["w"].is_contiguous()
+    _, new_state, _, info = engine.step(params, grads, state, ss)
+    _, ref_state, _, _ = engine.step(params, {**grads, "w": grads["w"].contiguous()}, state, ss)
+    assert torch.equal(new_state.master, ref_state.master)
+
+
+def test_grads_structure_mismatch_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["extra"] = torch.zeros(2)
+    with pytest.raises(ValueError, match="'extra'"):
+        engine.step(params, grads, state, ss)
+
+
+def test_grads_wrong_shape_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["blocks"][0]["g"] = torch.zeros(12)
+    with pytest.raises(ValueError, match=r"'blocks/0/g' has shape \(12,\), expected \(13,\)"):
+        engine.step(params, grads, state, ss)
+
+
+def test_grads_not_floating_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["one"] = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(TypeError, match="'one' has dtype torch.int64"):
+        engine.step(params, grads, state, ss)
+
+
+def test_bad_param_dtype_and_bad_params():
+    with pytest.raises(TypeError, match="param_dtype"):
+        fzero.zero1(transforms.adamw(), param_dtype=torch.float64)
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    with pytest.raises(TypeError, match="'b'.*torch.int32"):
+        engine.init({"a": torch.zeros(3), "b": torch.zeros(2, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="no tensor leaves"):
+        engine.init({})
+    with pytest.raises(RuntimeError, match="before engine.init"):
+        engine.step({}, {}, None, None)
+
+
+def test_another_engines_state_or_a_non_state_is_rejected_by_name(ready):
+    engine, params, state, ss, grads = ready
+    other = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)  # another model: another layout
+    _, other_state, other_ss = other.init({"x": torch.zeros(300)})
+    with pytest.raises(ValueError, match=r"state.master is shape \(320,\).*another engine"):
+        engine.step(params, grads, other_state, ss)
+    sgd = fzero.zero1(transforms.sgd(lr=0.1, momentum=0.9), param_dtype=torch.float16)  # same model, another transform
+    _, sgd_state, _ = sgd.init(odd_params())
+    with pytest.raises(ValueError, match="state.tx_state is .*TraceState.*this engine's transform built .*ScaleByAdamState"):
+        engine.step(params, grads, sgd_state, ss)
+    with pytest.raises(TypeError, match="state must be the ZeroState.*got dict"):
+        engine.step(params, grads, {"master": state.master}, ss)
+    with pytest.raises(TypeError, match="scaler_state must be the LossScaleState.*got ZeroState"):
+        engine.step(params, grads, state, state)
+
+
+def test_grads_on_another_device_names_leaf(ready):
+    engine, params, state, ss, grads = ready
+    grads["blocks"][1]["g"] = grads["blocks"][1]["g"].to("meta")
+    with pytest.raises(ValueError, match="grads leaf 'blocks/1/g' is on meta, the params are on cpu"):
+        engine.step(params, grads, state, ss)

@@ -16,7 +16,7 @@ from helpers import odd_params
 def engine_path(bucket_bytes):
     engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16, alignment=8, bucket_bytes=bucket_bytes)
     engine.init(odd_params())
-    return engine._ready().grads
+    return engine.grad_path
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

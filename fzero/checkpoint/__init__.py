@@ -212,7 +212,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     with torch.no_grad():
         shard = cast_params(state.master, engine.param_dtype, copy=True).to(engine.device)
         params = unflatten(comm.all_gather(shard, layout), layout)
-    state = engine._stored(state, shard)  # master="remainder": split it
+    state = engine.stored(state, shard)  # what the engine's master storage keeps (the remainder: split)
     lineage.mark(params, state.master)
     return params, state, scaler, m["extra"]
 

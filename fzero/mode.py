@@ -1,0 +1,68 @@
+"""How one step runs: every decision that depends on the configuration, the world size, the
+params' form and whether ``torch.compile`` is tracing, made once per call, in one place.
+
+``StepMode.choose`` is built at the top of ``Engine.step`` and passed down; the stages read its
+fields and ask nothing again. The one decision left to the update stage is whether the fused
+kernel runs, since a transform may decline it for the step's values (``fzero.update.choose``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["StepMode", "compiling"]
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the caller: the one place fzero's engine asks."""
+    return torch.compiler.is_compiling()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMode:
+    """The decisions of one step.
+
+    ``compiled``: traced by ``torch.compile`` (inductor fuses the update on the whole shard,
+    host-side checks that cannot be traced are left out). ``fused``: eager with a transform
+    that has a fused form: torch's kernel is tried, and the grads are read as ``Segments``,
+    chunk by chunk (at world size 1 the caller's grad leaves). ``chunk``: eager on a CPU
+    shard (CPU training or ``offload``), the update runs in chunks of this many elements
+    (``None``: the whole shard at once). ``state_device``: where master and transform state
+    live (the host with ``offload``): the update runs there. ``flat_in``: the params were
+    given as the flat buffer. ``donate``: results go into the inputs' buffers.
+    ``cast_into_params``: fused, donated, at world size 1 the params shard is the whole
+    buffer: the update casts straight into the params' own buffer and there is nothing to
+    gather. ``write_params``: donated, the gathered params are written into the given ones;
+    not for FP16/BF16 leaves of a compiled pytree, where inductor would keep the new FP32
+    master in a shard-sized temporary to cast each leaf from (cheaper: a new buffer, see
+    docs/performance.md); FP32 params are the master itself. ``own_buffer``: the params' own
+    flat buffer may be looked up (it is the input, or eager: compiled, a pytree's leaves are
+    laid out instead)."""
+
+    compiled: bool
+    fused: bool
+    chunk: int | None
+    state_device: torch.device
+    flat_in: bool
+    donate: bool
+    cast_into_params: bool
+    write_params: bool
+    own_buffer: bool
+
+    @classmethod
+    def choose(cls, *, has_fused: bool, donate: bool, chunk_numel: int | None, param_dtype: torch.dtype,
+               world_size: int, state_device: torch.device, flat_in: bool) -> "StepMode":
+        compiled = compiling()
+        fused = has_fused and not compiled
+        return cls(
+            compiled=compiled,
+            fused=fused,
+            chunk=chunk_numel if state_device.type == "cpu" and not compiled else None,
+            state_device=state_device,
+            flat_in=flat_in,
+            donate=donate,
+            cast_into_params=fused and donate and world_size == 1,
+            write_params=donate and (flat_in or not compiled or param_dtype == torch.float32),
+            own_buffer=flat_in or not compiled,
+        )

@@ -1,0 +1,107 @@
+"""The stages of ``Engine.step``, each a function of the step's inputs and its ``StepMode``:
+reduce -> norm and overflow -> update -> gather (the loss scale then updates itself, see
+``fzero.scaler``).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .flat import Layout, flat_buffer, flatten, shard_of, unflatten
+from .grads import GradPath, Reduced
+from .mode import StepMode
+from .update import ShardGrads, choose, sum_of_squares, write_into
+
+__all__ = ["Checked", "reduce", "norm_and_overflow", "update", "gather", "own_buffer", "cast_target", "params_shard"]
+
+
+def reduce(path: GradPath, grads: Any, mode: StepMode) -> Reduced:
+    """This rank's ``[S]`` shard of the grads over ranks; ``shard * factor`` is their mean (the
+    user's grads take one of two forms at the door, see ``fzero.grads``). Fused, the shard is
+    read as ``Segments``, chunk by chunk: at world size 1 the grad leaves."""
+    return path.reduce(path.to_form(grads, segments=mode.fused))
+
+
+class Checked(NamedTuple):
+    """The step's grads and what the one small all-reduce found: ``found_inf`` (0-d bool, the
+    same on every rank), ``norm`` (0-d float64 global norm of the mean unscaled grads, NaN on
+    any overflow), ``skip`` (0-d bool: an overflow, or a non-finite value in ``rates``) and
+    ``rates``, the transform's values at this step that are not stored (a schedule's lr)."""
+
+    grads: ShardGrads
+    found_inf: torch.Tensor
+    norm: torch.Tensor
+    skip: torch.Tensor
+    rates: dict
+
+
+def norm_and_overflow(path: GradPath, reduced: Reduced, scale: torch.Tensor, tx, tx_state: Any,
+                      mode: StepMode) -> Checked:
+    """One small all-reduce: the global sum of squares of the mean unscaled grads, which are
+    shard / grad_scale, summed from the shard as it came, scaled (in FP32 for FP16 grads: it
+    cannot overflow, see ``fzero.update.sum_of_squares``). Any inf/NaN on any rank makes it
+    non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero."""
+    grads = ShardGrads.of(reduced, scale)
+    acc = torch.float32 if path.param_dtype == torch.float16 else torch.float64
+    sumsq = sum_of_squares(grads.segments(), dtype=acc, compiled=mode.compiled) / grads.grad_scale.double().square()
+    sumsq = path.comm.all_reduce_sum(sumsq)
+    found_inf = ~torch.isfinite(sumsq)
+    # One NaN for every overflow: a NaN's sign and payload come from whichever operand the
+    # kernels met first, which changes with the fusion of the compiled graph around it.
+    norm = torch.where(torch.isnan(sumsq), torch.nan, torch.sqrt(sumsq))
+    # The same on every rank; a non-finite one skips the update like an overflow (the loss
+    # scale stays).
+    rates = tx.hyperparams(tx_state) if tx.hyperparams else {}
+    skip = found_inf
+    for v in rates.values():
+        skip = skip | ~torch.isfinite(v)
+    return Checked(grads, found_inf, norm, skip, rates)
+
+
+def update(tx, checked: Checked, master: torch.Tensor, tx_state: Any, *, param_dtype: torch.dtype, mode: StepMode,
+           out: torch.Tensor | None):
+    """Transform, skip if not finite, cast: ``(master, tx_state, params shard)`` on the FP32
+    shard where the state lives (the host with offload: a blocking copy of the grads there),
+    with the variant ``fzero.update.choose`` picks for this step. ``out``: the params' own
+    buffer to cast into (``mode.cast_into_params``), else ``None``."""
+    skip, norm = checked.skip.to(mode.state_device), checked.norm.to(mode.state_device)
+    variant, fused = choose(mode, tx, tx_state, checked.grads, skip, norm, master.numel())
+    return variant(tx, fused, checked.grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=mode.chunk,
+                   donate=mode.donate, out=out)
+
+
+def gather(path: GradPath, shard: torch.Tensor, params: Any, mode: StepMode, cast_into_params: bool) -> Any:
+    """Everyone's cast shard gathered into the new flat param buffer, as ``params`` came (flat
+    or a pytree); written into ``params`` with ``mode.write_params``. ``cast_into_params``:
+    the update cast into the params' own buffer at world size 1: they are the new params."""
+    if cast_into_params:
+        return params
+    new_params = path.comm.all_gather(shard.to(path.device, non_blocking=True), path.layout)
+    new_params = new_params if mode.flat_in else unflatten(new_params, path.layout, like=params)
+    return write_into(params, new_params) if mode.write_params else new_params
+
+
+def own_buffer(params: Any, layout: Layout, flat_in: bool) -> torch.Tensor | None:
+    """The flat buffer ``params`` are (views of), or ``None`` if they are not (then the step
+    writes a new one and copies it into ``params``)."""
+    if flat_in:
+        return params
+    try:
+        return flat_buffer(optree.tree_leaves(params), layout)
+    except ValueError:
+        return None
+
+
+def cast_target(params: Any, layout: Layout, mode: StepMode) -> torch.Tensor | None:
+    """Where the update casts the params shard: the params' own buffer with
+    ``mode.cast_into_params`` (if they are views of one), else ``None`` (a new tensor)."""
+    return own_buffer(params, layout, mode.flat_in) if mode.cast_into_params else None
+
+
+def params_shard(params: Any, layout: Layout, rank: int, mode: StepMode) -> torch.Tensor:
+    """This rank's ``[S]`` shard of the params' flat buffer: a view of their own buffer where
+    ``mode.own_buffer`` allows looking it up and they are views of one, else laid out anew."""
+    flat = own_buffer(params, layout, mode.flat_in) if mode.own_buffer else None
+    return shard_of(flatten(params, layout) if flat is None else flat, layout, rank)

@@ -1,0 +1,263 @@
+"""fzero.update: the update variants (fused kernel chunk by chunk, generic chunked, generic on the
+whole shard), the choice between them, the saturating cast and the grad norm's sum of squares."""
+
+import optree
+import pytest
+import torch
+
+import fzero
+import transforms
+from fzero.grads import Reduced, Segments
+from fzero.mode import StepMode
+from fzero.update import (ShardGrads, cast_params, choose, fused_chunks, generic_chunks, generic_whole,
+                          sum_of_squares, write_into)
+from models import mlp
+from helpers import NewTensors, grads_like, odd_params, tree_assert_close, tree_equal
+
+
+# ---------------------------------------------------------------- the variants, called directly
+def shard_problem(S=1000, seed=0):
+    """An AdamW (clip + schedule + masked decay) state on an FP32 ``[S]`` shard, and its FP16
+    grads times 8 reduced: ``(tx, master, tx_state, grads)``."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(S, generator=gen)
+    tx = transforms.chain(transforms.clip_by_global_norm(1.0),
+                          transforms.adamw(lr=1e-2, weight_decay=0.1, weight_decay_mask=lambda p: p))
+    mask = torch.arange(S) % 3 > 0
+    tx_state = tx.init(master, context=transforms.ShardContext({"w": master}, lambda _: mask))
+    g = (torch.randn(S, generator=gen) * 8).half()
+    return tx, master, tx_state, ShardGrads.of(Reduced(g, 1.0, 1, False), torch.tensor(8.0))
+
+
+def mode(**kw):
+    base = dict(compiled=False, fused=True, chunk=None, state_device=torch.device("cpu"), flat_in=True,
+                donate=False, cast_into_params=False, write_params=False, own_buffer=True)
+    return StepMode(**{**base, **kw})
+
+
+def run(variant, fused, tx, master, tx_state, grads, *, chunk, donate=False, out=None):
+    skip, norm = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64)
+    return variant(tx, fused, grads, master, tx_state, skip, norm, param_dtype=torch.float16, chunk=chunk,
+                   donate=donate, out=out)
+
+
+def test_the_variants_share_one_signature_and_agree():
+    """Generic chunked is bitwise the generic whole-shard update; the fused kernel agrees to float
+    rounding; each returns (master, tx_state, params shard) and leaves its inputs alone."""
+    tx, master, tx_state, grads = shard_problem()
+    kept = optree.tree_map(torch.clone, (master, tx_state))
+    skip, norm = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64)
+    fused = choose(mode(), tx, tx_state, grads, skip, norm, master.numel())
+    assert fused[0] is fused_chunks and fused[1] is not None
+    whole = run(generic_whole, None, tx, master, tx_state, grads, chunk=None)
+    chunked = run(generic_chunks, None, tx, master, tx_state, grads, chunk=128)
+    kernel = run(fused_chunks, fused[1], tx, master, tx_state, grads, chunk=128)
+    assert tree_equal(whole, chunked)
+    tree_assert_close(kernel[:2], whole[:2], rtol=1e-6, atol=1e-7)
+    assert torch.equal(whole[2], cast_params(whole[0], torch.float16))
+    assert tree_equal((master, tx_state), kept)  # pure without donate
+
+
+def test_every_variant_casts_into_out_and_donated_writes_the_inputs():
+    for variant, chunk in ((generic_whole, None), (generic_chunks, 100), (fused_chunks, 100)):
+        tx, master, tx_state, grads = shard_problem()
+        fused = choose(mode(), tx, tx_state, grads, torch.tensor(False), torch.tensor(3.0, dtype=torch.float64),
+                       master.numel())[1] if variant is fused_chunks else None
+        out = torch.empty(master.numel(), dtype=torch.float16)
+        new_master, _, shard = run(variant, fused, tx, master, tx_state, grads, chunk=chunk, donate=True, out=out)
+        assert shard is out and torch.equal(out, cast_params(new_master, torch.float16))
+        if variant is not generic_whole:  # in place, chunk by chunk
+            assert new_master is master
+
+
+def test_choose_takes_the_kernel_only_eager_and_when_the_transform_does_not_decline():
+    tx, master, tx_state, grads = shard_problem()
+    skip, norm, S = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64), master.numel()
+    assert choose(mode(fused=False, chunk=None), tx, tx_state, grads, skip, norm, S) == (generic_whole, None)
+    assert choose(mode(fused=False, chunk=100), tx, tx_state, grads, skip, norm, S) == (generic_chunks, None)
+    assert choose(mode(fused=False, chunk=S), tx, tx_state, grads, skip, norm, S) == (generic_whole, None)
+    adam = tx_state[1][0]  # a hyperparameter made by arithmetic carries no host value: the kernel declines
+    declined = (tx_state[0], (adam._replace(b2=adam.b2 * 1.0), *tx_state[1][1:]))
+    assert choose(mode(chunk=100), tx, declined, grads, skip, norm, S) == (generic_chunks, None)
+
+
+def test_step_mode_decides_each_mode_once():
+    kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"))
+    m = StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)
+    assert (m.compiled, m.fused, m.chunk, m.cast_into_params, m.write_params, m.own_buffer) == (False, True, 256, True, True, True)
+    m = StepMode.choose(donate=True, world_size=2, flat_in=False, **kw)
+    assert m.fused and not m.cast_into_params
+    m = StepMode.choose(donate=False, world_size=1, flat_in=True, **{**kw, "has_fused": False})
+    assert not m.fused and not m.cast_into_params and not m.write_params
+    compiled = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)),
+                             fullgraph=True, backend="eager")(torch.zeros(1))[1]
+    assert compiled.compiled and not compiled.fused and compiled.chunk is None and not compiled.cast_into_params
+    assert not compiled.write_params and not compiled.own_buffer  # FP16 pytree leaves: a new buffer
+
+
+def test_write_into_copies_every_new_tensor_into_the_old_one():
+    old = {"a": torch.zeros(3), "b": (torch.zeros(2), torch.ones(1))}
+    same = old["b"][1]
+    new = {"a": torch.arange(3.0), "b": (torch.full((2,), 5.0), same)}
+    out = write_into(old, new)
+    assert out is old and torch.equal(old["a"], torch.arange(3.0)) and torch.equal(old["b"][0], torch.full((2,), 5.0))
+
+
+def test_sum_of_squares_is_the_float64_sum_and_non_finite_on_any_inf():
+    g = torch.randn(1000) * 100
+    pieces = Segments((g[:123], g[123:700], g[700:]), (0, 123, 700), 1000, False)
+    for dtype in (torch.float32, torch.float64):
+        for compiled in (False, True):  # compiled: the whole parts (no block cut; the same for a small shard)
+            a = sum_of_squares(pieces, dtype=dtype, compiled=compiled)
+            assert a.dtype == torch.float64
+            torch.testing.assert_close(a, g.double().square().sum(), rtol=1e-6, atol=0)
+    assert torch.isinf(sum_of_squares(Segments.of(torch.tensor([1.0, float("inf")]), False), dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- through the engine
+@pytest.mark.parametrize("param_dtype,big", [(torch.float16, 65000.0), (torch.bfloat16, 3.38e38)])
+def test_update_past_the_param_dtype_range_saturates_instead_of_writing_inf(param_dtype, big):
+    top = torch.finfo(param_dtype).max
+    p0 = {"w": torch.tensor([big, -big, 1.0])}
+    # Adam's first step moves each element by lr against the grad's sign: past the dtype's range.
+    lr = 2 * (top - big) + 1e3 if param_dtype == torch.float16 else 2e36
+    engine = fzero.zero1(transforms.adamw(lr=lr, weight_decay=0.0), param_dtype=param_dtype, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    grads = {"w": torch.tensor([-1.0, 1.0, 0.0]).to(param_dtype)}
+    params, state, ss, info = engine.step(params, grads, state, ss)
+    assert not info["found_inf"]
+    assert torch.isfinite(state.master).all()
+    assert state.master[0] > top and state.master[1] < -top  # the master keeps the exact value
+    assert params["w"][0].item() == top and params["w"][1].item() == -top  # the copy saturates
+    assert torch.isfinite(params["w"]).all()
+
+
+def test_init_with_params_beyond_the_fp16_range_saturates():
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float16)
+    params, state, _ = engine.init({"w": torch.tensor([1e5, -1e6, 2.0])})
+    assert params["w"].tolist() == [65504.0, -65504.0, 2.0]
+    assert state.master[:3].tolist() == [1e5, -1e6, 2.0]
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("donate", [False, True])
+def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, donate):
+    p0 = mlp.init(torch.Generator().manual_seed(0), (16, 64, 4))  # 1348 elements: 14 chunks of 100, the last partial
+    grads_list = [optree.tree_map(lambda g: (g * 8).to(param_dtype), grads_like(p0, i)) for i in range(5)]
+    grads_list[2]["layers"][1]["w"][3, 1] = float("nan")  # a skipped step in the middle
+    tx = transforms.chain(
+        transforms.clip_by_global_norm(1.0),
+        transforms.adamw(lr=transforms.linear_warmup(0.0, 1e-2, 3), weight_decay=0.1,
+                         weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
+    )
+    out = {}
+    for chunk in (None, 100):
+        engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=fzero.StaticLossScale(8.0), donate=donate,
+                             chunk_numel=chunk)
+        params, state, ss = engine.init(p0)
+        state0, master0 = state, state.master.clone()
+        for grads in grads_list:
+            params, state, ss, info = engine.step(params, grads, state, ss)
+        if donate:  # updated in place, chunk by chunk
+            assert state.master.data_ptr() == state0.master.data_ptr()
+        else:  # pure: the input state is untouched
+            assert torch.equal(state0.master, master0)
+        out[chunk] = params, state
+    assert tree_equal(out[None][0], out[100][0]) and tree_equal(out[None][1], out[100][1])
+    counts = [int(x) for x in optree.tree_leaves(out[100][1].tx_state) if x.dtype == torch.int32]
+    assert counts and all(c == 4 for c in counts)  # 0-d state: advanced once per applied step, not per chunk
+
+
+# ---------------------------------------------------------------- the fused AdamW path
+def fused_and_generic(**adamw_kw):
+    """The standard recipe (clip + AdamW with a schedule) and the same without its fused step."""
+    tx = transforms.chain(transforms.clip_by_global_norm(2.0),
+                          transforms.adamw(lr=transforms.warmup_cosine_decay(0.0, 1e-2, 2, 20), weight_decay=0.1, **adamw_kw))
+    assert tx.fused is not None
+    return tx, tx._replace(fused=None)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Count the calls of torch's fused AdamW kernel (a spy on torch, not on fzero)."""
+    calls, kernel = [], torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: (calls.append(1), kernel(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask", [None, lambda p: optree.tree_map(lambda x: x.ndim > 1, p)])
+@pytest.mark.parametrize("kw", [dict(donate=True), dict(donate=False, simulate=(0, 2), bucket_bytes=64)])
+def test_fused_adamw_step_equals_the_generic_step_and_skips_the_same(param_dtype, mask, kw, fused_calls):
+    p0 = odd_params()
+    scale = 2.0**8 if param_dtype == torch.float16 else 1.0
+    seq = [optree.tree_map(lambda g: (g * scale).to(param_dtype), grads_like(p0, i)) for i in range(5)]
+    seq[2] = optree.tree_map(lambda g: torch.full_like(g, float("inf")), seq[2])  # step 2 overflows on every rank: skipped
+    results = []
+    for tx in fused_and_generic(weight_decay_mask=mask):
+        engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=fzero.StaticLossScale(scale), **kw)
+        params, state, ss = engine.init(p0)
+        kept = [x.clone() for x in (state.master, state.tx_state[1][0].mu, state.tx_state[1][0].nu)]
+        for i, g in enumerate(seq):
+            before = optree.tree_map(torch.clone, state)
+            params, state, ss, info = engine.step(params, g, state, ss)
+            assert bool(info["found_inf"]) == (i == 2)
+            if i == 2:  # a skipped step keeps every state tensor bitwise
+                assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(before), optree.tree_leaves(state)))
+            if i == 0 and not kw["donate"]:  # pure: the inputs are untouched
+                assert all(torch.equal(a, b) for a, b in zip(kept, optree.tree_leaves(before)[:1] + [before.tx_state[1][0].mu, before.tx_state[1][0].nu]))
+        results.append((params, state, info))
+    assert len(fused_calls) == 5  # the first engine ran fused (the skipped step too: a no-op inside the kernel)
+    (pf, sf, inf_f), (pg, sg, inf_g) = results
+    for a, b in zip(optree.tree_leaves(sf), optree.tree_leaves(sg)):
+        if a.is_floating_point() and a.ndim:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(a, b)  # counts (4 applied updates of 5), masks, hyperparameters
+    assert int(sf.tx_state[1][0].count) == 4
+    tree_assert_close(pf, pg, rtol=1e-2 if param_dtype != torch.float32 else 1e-6, atol=1e-3 if param_dtype != torch.float32 else 1e-7)
+    torch.testing.assert_close(inf_f["grad_norm"], inf_g["grad_norm"], rtol=1e-6, atol=0)
+
+
+def test_fused_path_takes_new_hyperparameters_and_declines_without_host_values(fused_calls):
+    p0 = odd_params()
+    grads = optree.tree_map(lambda g: g.half(), grads_like(p0, 0))
+    out = []
+    for tx in fused_and_generic():
+        engine = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=None)
+        params, state, ss = engine.init(p0)
+        state = state._replace(tx_state=transforms.set_hyperparams(state.tx_state, b2=0.9, weight_decay=0.5))
+        out.append(engine.step(params, grads, state, ss)[1].master)
+    assert len(fused_calls) == 1
+    torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-7)
+    # a hyperparameter made by arithmetic carries no host value: the generic update runs
+    engine = fzero.zero1(fused_and_generic()[0], param_dtype=torch.float16, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    adam = state.tx_state[1][0]
+    state = state._replace(tx_state=(state.tx_state[0], (adam._replace(b2=adam.b2 * 1.0), *state.tx_state[1][1:])))
+    master = engine.step(params, grads, state, ss)[1].master
+    assert len(fused_calls) == 1
+    torch.testing.assert_close(master, out[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_fused_step_at_world_size_one_reads_the_grad_leaves_and_writes_the_params_in_place(param_dtype):
+    """Donated, the eager fused step allocates nothing shard-sized: the grads are read a chunk
+    at a time straight from the leaves, the params are cast into their own buffer."""
+    p0 = {"w": torch.randn(40, 33), "b": torch.randn(33), "v": torch.randn(7, 50)}
+    tx = fused_and_generic(weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p))[0]
+    engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=None, donate=True, chunk_numel=256)
+    params, state, ss = engine.init(p0)
+    S, ptr = engine.layout.shard_numel, engine.flat_params(params).data_ptr()
+    grads = optree.tree_map(lambda p: torch.randn(p.shape).to(param_dtype), params)
+    params, state, ss, _ = engine.step(params, grads, state, ss)  # first call: one-time work
+    with NewTensors() as new:
+        params, state, ss, info = engine.step(params, grads, state, ss)
+    assert max(new.numels) <= 256 < S and engine.flat_params(params).data_ptr() == ptr
+    # the same step from the flat grads, on a copy of the state: bitwise the same, the norm too
+    params2, state2, ss2 = engine.init(p0)
+    params2 = engine.flat_params(params2)
+    for _ in range(2):
+        params2, state2, ss2, info2 = engine.step(params2, fzero.flatten(grads, engine.layout), state2, ss2)
+    assert torch.equal(params2, engine.flat_params(params)) and tree_equal(state2, state)
+    assert torch.equal(info2["grad_norm"], info["grad_norm"])
