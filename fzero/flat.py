@@ -24,6 +24,8 @@ from typing import Any
 import optree
 import torch
 
+from .mode import compiling
+
 __all__ = [
     "Layout",
     "make_layout",
@@ -207,7 +209,7 @@ def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = No
         size = layout.world_size * b.shard
         parts = [leaves[i].reshape(-1) for i in b.leaves]
         parts.append(torch.zeros(size - b.numel, dtype=dtype, device=device))
-        if torch.compiler.is_compiling():
+        if compiling():
             out.append(torch.cat([p.to(dtype) for p in parts]))
         else:
             out.append(torch.cat(parts, out=torch.empty(size, dtype=dtype, device=device)))

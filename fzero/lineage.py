@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from .mode import compiling
+
 __all__ = ["Mark", "ParamsEditedError", "buffer_of", "mark", "check", "hand_over"]
 
 _ATTR = "_fzero_mark"
@@ -67,7 +69,7 @@ def buffer_of(params: Any) -> torch.Tensor | None:
 def mark(params: Any, master: torch.Tensor) -> None:
     """Record that ``params`` were written together with the state whose master is ``master``."""
     buf = buffer_of(params)
-    if buf is None or torch.compiler.is_compiling():
+    if buf is None or compiling():
         return
     ticket = next(_tickets)
     setattr(buf, _ATTR, Mark(ticket, buf._version, master._version))
@@ -77,7 +79,7 @@ def mark(params: Any, master: torch.Tensor) -> None:
 def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> None:
     """Raise if ``params`` were edited in place since they were marked with ``master``'s state,
     or, with ``same_step``, if they were marked with another state (see the module doc)."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return
     if getattr(master, _CONSUMED, False):
         raise ValueError(f"{where}: this state was donated to an earlier step (donate=True), which wrote its result "
@@ -110,7 +112,7 @@ def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> 
 def hand_over(state):
     """A donated ``state`` (a NamedTuple with a ``master``), now holding the step's results, as
     the step's output: the same memory, a new master object; the given one is marked consumed."""
-    if torch.compiler.is_compiling():
+    if compiling():
         return state
     setattr(state.master, _CONSUMED, True)
     return state._replace(master=state.master.view_as(state.master))

@@ -15,7 +15,7 @@ __all__ = ["StepMode", "compiling"]
 
 
 def compiling() -> bool:
-    """Whether ``torch.compile`` is tracing the caller: the one place fzero's engine asks."""
+    """Whether ``torch.compile`` is tracing the caller: the one place fzero asks."""
     return torch.compiler.is_compiling()
 
 

@@ -100,6 +100,7 @@ def two_ranks(rank, world_size):
     return {master: train(master, rank=rank, steps=10)[1] for master in ("fp32", "remainder")}  # the params
 
 
+@pytest.mark.multirank
 def test_remainder_on_two_ranks_equals_fp32_master():
     for r in run_ranks(two_ranks, 2):
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(r["fp32"]), optree.tree_leaves(r["remainder"])))
@@ -142,6 +143,7 @@ def main_job(rank, world_size, compiled):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_remainder_trains_the_main_job_bit_for_bit_like_an_fp32_master(world_size, compiled):
@@ -193,6 +195,7 @@ def load_and_continue(rank, world_size, path, master, alignment=64):
     return continue_from(engine, params, state, ss, rank)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("saved,loaded", [("remainder", "fp32"), ("fp32", "remainder"), ("remainder", "remainder")])
 def test_checkpoint_holds_the_fp32_master_and_loads_into_either_mode_and_layout(tmp_path, saved, loaded):
     """Saved on 2 ranks after 10 steps; loaded on 2 ranks with another layout (alignment 16, not
