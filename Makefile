@@ -1,4 +1,6 @@
-# `make test`  : set up .venv (if absent) and run every test.
+# `make test`  : set up .venv (if absent) and run every test, in TEST_JOBS parallel workers.
+# `make test-fast`: the unit tier without its slow tests (no process group, no subprocess): the
+#                edit-test loop, about a minute.
 # `make train` : set up .venv and run the main job: a character-level GPT, FP16 + dynamic loss
 #                scaling, 2 ZeRO-1 ranks on CPU (gloo), about 2 minutes.
 VENV   ?= .venv
@@ -7,9 +9,12 @@ PY     := $(VENV)/bin/python
 # On a GPU machine: `make TORCH=torch test` (or any torch>=2.4 already in the venv is kept).
 TORCH  ?= torch==2.13.0
 NPROC  ?= 2
+# The multi-rank and end-to-end tests wait on each other's ranks and on process start-up a
+# good part of the time: two pytest workers keep both cores of a 2-core box busy.
+TEST_JOBS ?= 2
 TRAIN_ARGS ?=
 
-.PHONY: setup test train clean
+.PHONY: setup test test-fast train clean
 
 setup: $(VENV)/.installed
 
@@ -20,7 +25,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
+
+test-fast: setup
+	$(PY) -m pytest -q -m "unit and not slow"
 
 # The flags are checked once before torchrun starts: a bad one is one line, not one per rank
 # followed by torchrun's report of failed workers.
