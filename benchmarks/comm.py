@@ -14,7 +14,7 @@ fzero runs the module through ``models.module.functional`` and ``torch.func.grad
 Per recipe and rank 0: median step time, optimizer-state bytes per param (rank max), bytes held
 (params + grads + optimizer state + accumulation buffer), collectives per step and bytes per step
 (counted by wrapping the calls: DDP through a comm hook, ZeRO by wrapping ``dist.broadcast``,
-fzero by wrapping its functional collectives).
+fzero through a wrapped table of its collectives, ``fzero.comm.Collectives.wrapped``).
 
     python benchmarks/comm.py --world-size 2 --model mlp          # the seed's MLP, 25.2M params
     python benchmarks/comm.py --world-size 2 --model gpt
@@ -125,9 +125,23 @@ def ddp_recipe(model, loss_fn, zero, counter):
     return step, held
 
 
+def counted_comm(counter):
+    """The default communicator, counting each collective of an eager call (a traced count would
+    run once, while compiling)."""
+    def counting(name, fn):
+        def call(x, *args):
+            if not torch.compiler.is_compiling():
+                counter.add(x)
+            return fn(x, *args)
+        return call
+
+    return fzero.comm.Comm.of(None, collectives=fzero.comm.FUNCTIONAL.wrapped(counting))
+
+
 def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, compile=True, **kw):
     params32, apply = functional(model)
-    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, loss_scale=None, **kw)
+    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, loss_scale=None, group=counted_comm(counter),
+                         **kw)
     # the step compiled, as the README recommends on CPU (its eager update is ~40 separate passes)
     engine_step = torch.compile(engine.step, fullgraph=True) if compile else engine.step
     carry = list(engine.init(params32))
@@ -137,7 +151,7 @@ def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, compile=True, **
     grad_fn = engine.grad_and_value(module_loss) if overlap else torch.func.grad_and_value(module_loss)
     last = {}
 
-    def step(batches, eager=False):  # eager: for counting collectives (a traced counter would be a constant)
+    def step(batches, eager=False):  # eager: for counting collectives (see counted_comm)
         acc = None
         for b in batches:
             grads, _ = grad_fn(carry[0], b)
@@ -191,10 +205,6 @@ def worker(rank, world_size, rdzv, args, out_path):
                               warmup=args.warmup, before=dist.barrier)
         # one more step, eager, counting every collective and its bytes
         counter.calls = counter.bytes = 0
-        if is_fzero:
-            wrap = lambda fn: (lambda x, *a, **k: (counter.add(x), fn(x, *a, **k))[1])
-            fzero.comm._reduce_scatter, fzero.comm._all_gather, fzero.comm._all_reduce = (
-                wrap(orig._reduce_scatter), wrap(orig._all_gather), wrap(orig._all_reduce))
         step(batches(0), eager=True)
         opt_bytes, other = held()
         dist.barrier()
@@ -203,20 +213,14 @@ def worker(rank, world_size, rdzv, args, out_path):
         rows.append({"recipe": name, "P": P, "ms": seconds * 1e3,
                      "opt_B_per_param": max(maxes) / P, "held_GiB": (opt_bytes + other) / 2**30,
                      "calls": counter.calls, "MiB": counter.bytes / 2**20})
-        fzero.comm._reduce_scatter, fzero.comm._all_gather, fzero.comm._all_reduce = (
-            orig._reduce_scatter, orig._all_gather, orig._all_reduce)
-        dist.broadcast = orig.broadcast
+        dist.broadcast = orig_broadcast
         del step, held, model
     if rank == 0:
         torch.save(rows, out_path)
     dist.destroy_process_group()
 
 
-class orig:  # the unwrapped collectives
-    _reduce_scatter = fzero.comm._reduce_scatter
-    _all_gather = fzero.comm._all_gather
-    _all_reduce = fzero.comm._all_reduce
-    broadcast = dist.broadcast
+orig_broadcast = dist.broadcast  # unwrapped: ZeroRedundancyOptimizer's count wraps it
 
 
 def main(argv=None):

@@ -160,12 +160,18 @@ class RecordingHybridComm(fzero.comm.HybridComm):
 
     events: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
-    def _call(self, what, fn, *args, wait=True):
-        x, group = args[0], args[-1]
-        name = {fzero.comm._reduce_scatter: "reduce_scatter", fzero.comm._all_gather: "all_gather",
-                fzero.comm._all_reduce: "all_reduce", fzero.comm._broadcast: "broadcast"}[fn]
-        self.events.append((name, "shard" if group == self.group else "replicate", x.numel() * x.element_size()))
-        return super()._call(what, fn, *args, wait=wait)
+    @classmethod
+    def of_mesh(cls, mesh, *, collectives=fzero.comm.FUNCTIONAL):
+        comm = super().of_mesh(mesh, collectives=collectives)
+
+        def logged(name, fn):
+            def call(x, *args):  # the group's name is the last argument of every collective
+                group = "shard" if args[-1] == comm.group else "replicate"
+                comm.events.append((name, group, x.numel() * x.element_size()))
+                return fn(x, *args)
+            return call
+
+        return dataclasses.replace(comm, collectives=collectives.wrapped(logged))
 
     def counts(self) -> dict[tuple[str, str], list[int]]:
         """``{(name, group): [calls, bytes]}`` of the collectives logged so far."""

@@ -1,0 +1,20 @@
+"""Every cross-rank point of fzero: the communicators, their collectives, and shutdown.
+
+Three communicators with one interface (``communicator.Communicator``): ``Comm``, the static view
+of a process group that the step needs (``group``); ``HybridComm``, a 2-D ``("replicate",
+"shard")`` device mesh (``hybrid``); and ``SimulatedComm``, any rank of any world size (or mesh)
+on one device with no process group, for memory accounting (``simulated``). The engine takes any
+of them (``zero1(group=...)``), and so can a test's recording subclass. The tensor collectives
+are torch's functional collectives, traced into the compiled step; a ``Comm`` calls them through
+a public table (``collectives``) that a test or benchmark may wrap to count or log them.
+``teardown`` ends the process's use of torch.distributed (``fzero.shutdown``).
+"""
+from .teardown import shutdown  # first: it imports torch._dynamo before any process group exists (see there)
+from .collectives import FUNCTIONAL, CollectiveError, Collectives
+from .communicator import Communicator, predivide_factor
+from .group import Comm, resolve_group
+from .hybrid import HybridComm, comm_of_mesh
+from .simulated import SimulatedComm
+
+__all__ = ["Comm", "HybridComm", "SimulatedComm", "Communicator", "Collectives", "FUNCTIONAL", "CollectiveError",
+           "resolve_group", "comm_of_mesh", "shutdown", "predivide_factor"]

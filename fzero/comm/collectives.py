@@ -1,0 +1,60 @@
+"""The tensor collectives a communicator issues, as one public table: the seam for counting.
+
+``FUNCTIONAL`` holds torch's *functional* collectives (``torch.distributed._functional_collectives``):
+they return new tensors instead of mutating, so the step stays pure and ``torch.compile`` traces
+them into the graph (``fullgraph=True``). A ``Comm`` calls them through its ``collectives``
+table (``Comm.of(group, collectives=...)``), so a test or benchmark that counts, logs or wraps
+every call passes ``FUNCTIONAL.wrapped(...)`` instead of patching anything: the default path is
+one attribute lookup more than calling the functions directly, with no host sync and nothing a
+trace cannot follow.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+__all__ = ["Collectives", "FUNCTIONAL", "CollectiveError", "completed"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (a peer died, timed out, or disagreed); names the collective and rank."""
+
+
+class Collectives(NamedTuple):
+    """One function per tensor collective, each with its functional-collective signature (the
+    group given by name, the result a new tensor, possibly still in flight):
+
+    * ``reduce_scatter(x, op, dim, group)`` -> this rank's slice of the reduction of ``x``
+    * ``all_gather(x, dim, group)`` -> every rank's ``x``, concatenated along ``dim``
+    * ``all_reduce(x, op, group)`` -> the reduction of ``x`` over the group
+    * ``broadcast(x, src, group)`` -> rank ``src``'s ``x``
+
+    The input tensor is always the first argument and the group's name the last."""
+
+    reduce_scatter: Callable[..., torch.Tensor]
+    all_gather: Callable[..., torch.Tensor]
+    all_reduce: Callable[..., torch.Tensor]
+    broadcast: Callable[..., torch.Tensor]
+
+    def wrapped(self, wrap: Callable[[str, Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> "Collectives":
+        """The table whose collective ``name`` is ``wrap(name, this table's function)``, e.g. one
+        that counts calls and bytes before calling through. A wrapper that runs under
+        ``torch.compile`` is traced like the rest of the step: Python side effects there happen
+        at trace time (``torch.compiler.is_compiling()`` tells)."""
+        return Collectives(*(wrap(name, fn) for name, fn in zip(self._fields, self)))
+
+
+# torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
+FUNCTIONAL = Collectives(
+    reduce_scatter=getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor,
+    all_gather=getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor,
+    all_reduce=funcol.all_reduce,
+    broadcast=funcol.broadcast,
+)
+
+
+def completed(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s value: waited for if it is a collective's result still in flight, else ``t``."""
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t

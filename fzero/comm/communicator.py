@@ -1,0 +1,117 @@
+"""The interface every communicator shares, and what it builds on its primitives.
+
+A communicator provides ``reduce_scatter_bucket``, ``all_gather_bucket``, ``all_reduce_sum``,
+``all_gather_object``, ``wait``, ``arrive``, ``check_unchanged`` and ``time_buckets``; this base
+adds the averaging reduce-scatter (``reduce_scatter_mean``, ``start_mean``: FSDP's pre/post split
+of the 1/N hidden behind ``mean_factor``), the gather of a whole shard, and the cross-rank
+agreement check. ``rank`` and ``world_size`` are always the shard group's: what the layout is
+built for. Each collective is one call per bucket, never per leaf.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import ClassVar
+
+import torch
+
+from .. import arrival
+from ..flat import Layout, concat
+
+__all__ = ["Communicator", "predivide_factor"]
+
+
+def predivide_factor(world_size: int) -> float:
+    """FSDP's split of the 1/N average for low-precision sums: inputs are divided by ``f``
+    (about sqrt(N), a power of two) before the reduction and the result by ``N/f`` after, so
+    neither the sum of N scaled grads overflows nor the pre-divided inputs underflow."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)
+
+
+class Communicator:
+    """What every communicator shares, built on its three primitives (``reduce_scatter_bucket``,
+    ``all_gather_bucket``, ``all_reduce_sum``) and ``all_gather_object``: the averaging
+    reduce-scatter, the gather of a whole shard, the cross-rank agreement check."""
+
+    rank: int  # in the shard group: the layout's rank
+    world_size: int  # ranks the state is sharded over: the layout's N
+    replica: ClassVar[int] = 0  # which copy of the shards this rank holds (hybrid: the replicate index)
+    replicas: ClassVar[int] = 1  # copies of the shards (hybrid: the replicate group's size)
+    simulated: ClassVar[bool] = False
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that feed grads into one update: shards x replicas (1: nothing to reduce)."""
+        return self.world_size * self.replicas
+
+    def mean_factor(self, dtype: torch.dtype) -> float:
+        """``f`` with ``mean over ranks = f * (what reduce_scatter_mean returns)`` for a sum in
+        ``dtype``: ``1/N`` for FP32 (N = every data-parallel rank, replicas included); ``pre/N``
+        for a low-precision sum, whose inputs are first divided by ``pre`` (FSDP's split of the
+        1/N, see ``predivide_factor``)."""
+        return self._pre(dtype) / self.data_parallel
+
+    def _pre(self, dtype: torch.dtype) -> float:
+        low = self.data_parallel > 1 and dtype != torch.float32
+        return predivide_factor(self.data_parallel) if low else 1.0
+
+    def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        """Finish bucket ``i``'s reduce started with ``start_mean(..., wait=False)``."""
+        return self.wait(x, f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)})")
+
+    def replicate_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """The first replica's ``shard`` (hybrid: a broadcast over the replicate group), so that
+        every copy of the state starts equal. Identity without replicas."""
+        return shard
+
+    def start_mean(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+        """Bucket ``i``'s ``[N*S_b]`` grads (a buffer the caller gives up: pre-divided in place)
+        -> this rank's ``[S_b]`` partial mean; scale by ``mean_factor(x.dtype)`` to finish it.
+        ``wait=False``: returns while the collective is in flight (see ``wait``)."""
+        pre = self._pre(x.dtype)
+        return self.reduce_scatter_bucket(x if pre == 1.0 else x.div_(pre), i, layout, wait=wait)
+
+    def reduce_scatter_mean(self, buckets: list[torch.Tensor], layout: Layout) -> tuple[torch.Tensor, float]:
+        """Per-bucket ``[N*S_b]`` grads of this rank (not modified) -> ``(partial, factor)``:
+        ``partial * factor`` is this rank's ``[S]`` shard of their mean over ranks. The factor is
+        left to the caller so that it joins the step's one FP32 multiply (unscale, micro-batches).
+
+        Summing N scaled FP16 grads can overflow by itself: an FP32 sum cannot; a sum in FP16/BF16
+        divides its inputs by ``pre`` ~ sqrt(N) first (``predivide_factor``)."""
+        pre = self._pre(buckets[0].dtype)
+        parts = [self.reduce_scatter_bucket(x if pre == 1.0 else x / pre, i, layout) for i, x in enumerate(buckets)]
+        return concat(parts), self.mean_factor(buckets[0].dtype)
+
+    def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""
+        if self.world_size == 1:
+            return shard
+        parts, pos = [], 0
+        for i, b in enumerate(layout.buckets):
+            parts.append(self.all_gather_bucket(shard[pos : pos + b.shard], i, layout))
+            pos += b.shard
+        return concat(parts)
+
+    def check_same(self, what: str, table: dict[str, str]) -> None:
+        """Raise the same ``ValueError`` on every rank unless all ranks pass an equal ``table``
+        (setting -> printable value); the message names each differing setting with its value
+        on each rank. Off the hot path (``init``): one all-gather of a digest, and only on a
+        mismatch a second one of the tables. No other collective runs before it returns, so
+        ranks that disagree (e.g. on a dtype) never meet in a collective that would mix them."""
+        digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
+        if len(set(self.all_gather_object(digest))) == 1:
+            return
+        tables = self.all_gather_object(table)
+        keys = list(dict.fromkeys(k for t in tables for k in t))
+        diffs = []
+        for key in keys:
+            ranks_of: dict[str, list[int]] = {}
+            for rank, t in enumerate(tables):
+                ranks_of.setdefault(t.get(key, "absent"), []).append(rank)
+            if len(ranks_of) > 1:
+                diffs.append(f"{key} is " + " but ".join(f"{v} on {arrival.ranks_text(r)}" for v, r in ranks_of.items()))
+        more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
+        raise ValueError(f"{what} differs across ranks: " + "; ".join(diffs[:4]) + more)

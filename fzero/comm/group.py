@@ -1,0 +1,180 @@
+"""``Comm``: the static view of one process group that the step needs, held by name.
+
+``Comm`` keeps the group's *name*, never the ``ProcessGroup`` object: the functional collectives
+take the name, and the few object-based calls (barrier, ``all_gather_object``) resolve it when
+they run (why: ``fzero.comm.teardown``). A ``None`` group, or a world of one, means one process:
+no collective is ever called. In eager mode a collective's result is waited on here, before it
+leaves this module, and a failure is re-raised naming the collective and the rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import arrival
+from ..flat import Layout
+from ..mode import compiling
+from .collectives import FUNCTIONAL, CollectiveError, Collectives, completed
+from .communicator import Communicator
+from .teardown import shutdown_at_exit
+
+__all__ = ["Comm", "resolve_group", "name_of", "group_named"]
+
+
+def resolve_group(group):
+    """``group`` as given, or WORLD when ``None`` and torch.distributed is initialized, else ``None``."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group
+
+
+def name_of(group) -> str | None:
+    """A ``ProcessGroup``'s name, what a communicator holds (``None`` for ``None``)."""
+    return None if group is None else group.group_name
+
+
+def group_named(name: str):
+    """The ``ProcessGroup`` named ``name``, resolved now (off the hot path: barriers, objects)."""
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm(Communicator):
+    """A process group (or none), by name, with the rank and size read once at engine init.
+
+    ``requested`` is the name of the group the user gave (``None`` means "WORLD if
+    initialized"), kept to notice a world that changed since init. ``collectives`` is the
+    table of tensor collectives it issues (``fzero.comm.collectives``: torch's functional
+    collectives, or a wrapped table that counts or logs them)."""
+
+    group: str | None  # the process group's name (see the module docstring)
+    rank: int
+    world_size: int
+    requested: str | None = None
+    collectives: Collectives = dataclasses.field(default=FUNCTIONAL, kw_only=True, repr=False)
+
+    @classmethod
+    def of(cls, requested, *, collectives: Collectives = FUNCTIONAL) -> "Comm":
+        """The communicator of ``requested`` (a ProcessGroup; ``None``: WORLD if initialized,
+        else one process), issuing ``collectives``."""
+        group = resolve_group(requested)
+        if group is None:
+            return cls(None, 0, 1, None, collectives=collectives)
+        shutdown_at_exit()
+        return cls(name_of(group), dist.get_rank(group), dist.get_world_size(group), name_of(requested),
+                   collectives=collectives)
+
+    def process_group(self):
+        """The ``ProcessGroup`` object, resolved now (off the hot path: barriers, objects)."""
+        return group_named(self.group)
+
+    def arrive(self, what: str, *, timeout: float) -> None:
+        """Every rank reaches the collective call ``what`` within ``timeout`` seconds, or every
+        waiting rank raises naming the missing ones (``fzero.arrival``). Off the hot path."""
+        if self.world_size > 1:
+            arrival.arrive(self.group, what, timeout=timeout)
+
+    def check_unchanged(self) -> None:
+        """Raise if the group's size changed since init (a layout for N ranks is useless at M),
+        e.g. ``group=None`` before ``init_process_group`` and a step after it, or a group
+        destroyed since."""
+        if self.requested is None:
+            group = resolve_group(None)
+            now = 1 if group is None else dist.get_world_size(group)
+        else:
+            try:
+                now = dist.get_world_size(group_named(self.requested))
+            except (RuntimeError, ValueError, KeyError):
+                now = 0
+        if now != self.world_size:
+            raise ValueError(
+                f"process group has {now} ranks but the engine was initialized for {self.world_size}; "
+                "re-run engine.init (or load a checkpoint) at the new world size"
+            )
+
+    def issue(self, what: Callable[[], str], fn: Callable[..., torch.Tensor], *args, wait: bool = True) -> torch.Tensor:
+        """Run one collective ``fn(*args)`` (a function of ``collectives``) and (unless
+        ``wait=False``) wait for it; in eager mode a failure (e.g. a dead peer: gloo/NCCL raise
+        after the process group's timeout at the latest) is re-raised naming the collective and
+        this rank. ``what()`` names the collective; it is only called eager (traced, the
+        layout's ints may be symbolic)."""
+        if compiling():
+            return completed(fn(*args))
+        what = what()
+        try:
+            out = fn(*args)
+        except RuntimeError as e:
+            raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
+        return self.wait(out, what) if wait else out
+
+    def wait(self, x: torch.Tensor, what: str = "collective") -> torch.Tensor:
+        """Wait for a collective started with ``wait=False``; errors name ``what`` and this rank."""
+        try:
+            return completed(x)
+        except RuntimeError as e:
+            raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
+
+    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+        """Bucket ``i``'s ``[N*S_b]`` buffer -> this rank's ``[S_b]`` slice of its sum over ranks.
+
+        ``wait=False`` returns while the collective is in flight (an ``AsyncCollectiveTensor``
+        that waits when first used, or explicitly via ``wait``): how backward overlaps it."""
+        if self.world_size == 1:
+            return x
+        what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
+        return self.issue(what, self.collectives.reduce_scatter, x, "sum", 0, self.group, wait=wait)
+
+    def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        """This rank's ``[S_b]`` slice of bucket ``i`` -> the bucket's ``[N*S_b]`` buffer."""
+        if self.world_size == 1:
+            return x
+        b = layout.buckets[i]
+        what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
+        return self.issue(what, self.collectives.all_gather, x, 0, self.group)
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum over ranks of a small tensor."""
+        if self.world_size == 1:
+            return x
+        what = lambda: "all_reduce of the grad norm and found_inf"
+        return self.issue(what, self.collectives.all_reduce, x, "sum", self.group)
+
+    def all_gather_object(self, obj) -> list:
+        """Off the hot path only (init, errors): pickles ``obj`` to every rank."""
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.process_group())
+        return out
+
+    def time_buckets(self, layout: Layout, reduce_dtype: torch.dtype, gather_dtype: torch.dtype,
+                     device: torch.device) -> dict[str, list[float]]:
+        """Milliseconds of each bucket's reduce-scatter and all-gather, each run alone after a
+        barrier on zero buffers of the step's sizes and dtypes, the max over ranks (the same on
+        every rank). Off the hot path: it syncs the host, for a metrics log every few steps."""
+        if self.world_size == 1:
+            return {"reduce_scatter_ms": [], "all_gather_ms": []}
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+        def timed(fn) -> float:
+            dist.barrier(group=pg)
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            return (time.perf_counter() - t0) * 1e3
+
+        pg = self.process_group()
+        rs, ag = [], []
+        for i, b in enumerate(layout.buckets):
+            x = torch.zeros(self.world_size * b.shard, dtype=reduce_dtype, device=device)
+            rs.append(timed(lambda: self.reduce_scatter_bucket(x, i, layout)))
+            y = torch.zeros(b.shard, dtype=gather_dtype, device=device)
+            ag.append(timed(lambda: self.all_gather_bucket(y, i, layout)))
+        t = torch.tensor([rs, ag], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+        return {"reduce_scatter_ms": t[0].tolist(), "all_gather_ms": t[1].tolist()}

@@ -1,0 +1,62 @@
+"""``SimulatedComm``: any rank of any world size (or mesh) on one device, with no process group.
+
+For memory accounting: the buffers have the true sizes, so one device measures what a rank of
+a large world holds (``zero1(simulate=(rank, N))``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ..flat import Layout
+from .communicator import Communicator
+
+__all__ = ["SimulatedComm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedComm(Communicator):
+    """Rank ``rank`` of ``world_size`` ranks that all hold identical tensors, with no process
+    group: sums are ``world_size * x``, gathers repeat this rank's shard. The buffers have the
+    true sizes, so one device measures any rank of any world size (``zero1(group=
+    SimulatedComm(0, 64))``, or its shorthand ``zero1(simulate=(0, 64))``). ``replicas=R``
+    simulates a hybrid mesh of R replicas x ``world_size`` shards (``simulate=(0, 8, 8)``: an
+    8x8 mesh): the grads are then summed over all R x world_size ranks."""
+
+    rank: int
+    world_size: int
+    replicas: int = 1
+    simulated: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+
+    def check_unchanged(self) -> None:
+        """A simulated world never changes."""
+
+    def arrive(self, what: str, *, timeout: float) -> None:
+        """Every simulated rank is here."""
+
+    def wait(self, x: torch.Tensor, what: str = "collective") -> torch.Tensor:
+        return x
+
+    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+        b = layout.buckets[i]
+        return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.data_parallel
+
+    def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        return x.repeat(self.world_size)
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.world_size
+
+    def all_gather_object(self, obj) -> list:
+        return [obj] * self.world_size
+
+    def time_buckets(self, layout, reduce_dtype, gather_dtype, device) -> dict[str, list[float]]:
+        return {"reduce_scatter_ms": [], "all_gather_ms": []}

@@ -1,0 +1,61 @@
+"""The public table of tensor collectives (``fzero.comm.Collectives``): a wrapped table sees every
+collective a ``Comm`` issues, changes no result, and traces into a compiled step."""
+import optree
+import torch
+
+import fzero
+import fzero.comm
+import transforms
+from distributed import run_ranks
+from helpers import grads_like, odd_params
+
+
+def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
+    table = fzero.comm.FUNCTIONAL.wrapped(lambda name, fn: (name, fn))
+    assert table == fzero.comm.Collectives(*((name, fn) for name, fn in zip(table._fields, fzero.comm.FUNCTIONAL)))
+    assert [name for name, _ in table] == ["reduce_scatter", "all_gather", "all_reduce", "broadcast"]
+
+
+def counted_step(rank, world_size):
+    calls = []
+
+    def counting(name, fn):
+        def call(x, *args):
+            if not torch.compiler.is_compiling():  # traced, a count would run once, at compile time
+                calls.append((name, x.numel() * x.element_size()))
+            return fn(x, *args)
+        return call
+
+    p0 = odd_params()
+    seq = [optree.tree_map(lambda x: x.half(), grads_like(p0, 10 * i + rank)) for i in range(2)]
+    out = {}
+    for name, group in (("plain", None), ("counted", fzero.comm.Comm.of(None, collectives=fzero.comm.FUNCTIONAL.wrapped(counting)))):
+        engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float16, loss_scale=None, bucket_bytes=40,
+                             group=group)
+        step = engine.step if name == "plain" else torch.compile(engine.step, fullgraph=True)
+        params, state, ss = engine.init(p0)
+        calls.clear()  # init gathered the first params
+        params, state, ss, _ = engine.step(params, seq[0], state, ss)  # eager
+        eager = {"master": state.master.clone(), "params": fzero.flatten(params, engine.layout)}
+        eager_calls = list(calls)
+        params, state, ss, _ = step(params, seq[1], state, ss)  # compiled, for the wrapped table
+        out[name] = {"eager": eager, "master": state.master}
+    out["calls"], out["after_compiled"] = eager_calls, len(calls)
+    out["buckets"], out["padded"] = len(engine.layout.buckets), engine.layout.padded_numel
+    return out
+
+
+def test_a_wrapped_table_counts_every_collective_and_compiles():
+    for r in run_ranks(counted_step, 2):
+        for key in ("master", "params"):  # eager: the same bits as without the wrapper
+            assert torch.equal(r["counted"]["eager"][key], r["plain"]["eager"][key])
+        torch.testing.assert_close(r["counted"]["master"], r["plain"]["master"], rtol=1e-6, atol=1e-7)  # compiled
+        b, padded = r["buckets"], r["padded"]
+        assert b > 1
+        names = [name for name, _ in r["calls"]]
+        assert names.count("reduce_scatter") == names.count("all_gather") == b and names.count("all_reduce") == 1
+        assert len(names) == 2 * b + 1  # nothing else, and no broadcast without replicas
+        nbytes = {n: sum(x for m, x in r["calls"] if m == n) for n in ("reduce_scatter", "all_gather", "all_reduce")}
+        # FP32 grads of the whole buffer in, this rank's FP16 half of the params in, one float64
+        assert nbytes == {"reduce_scatter": 4 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
+        assert r["after_compiled"] == len(names)  # the compiled step ran the wrapper only while tracing
