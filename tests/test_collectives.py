@@ -1,6 +1,7 @@
 """The public table of tensor collectives (``fzero.comm.Collectives``): a wrapped table sees every
 collective a ``Comm`` issues, changes no result, and traces into a compiled step."""
 import optree
+import pytest
 import torch
 
 import fzero
@@ -45,6 +46,7 @@ def counted_step(rank, world_size):
     return out
 
 
+@pytest.mark.multirank
 def test_a_wrapped_table_counts_every_collective_and_compiles():
     for r in run_ranks(counted_step, 2):
         for key in ("master", "params"):  # eager: the same bits as without the wrapper

@@ -42,6 +42,7 @@ def train(rank, world_size, configs):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_buckets_counts_bytes_stage2_offload(world_size):
     configs = [
@@ -97,6 +98,7 @@ def dead_peer(rank, world_size):
     return "no error"
 
 
+@pytest.mark.multirank
 def test_a_dead_rank_makes_the_others_fail_naming_the_collective():
     import time
 
@@ -122,6 +124,7 @@ def never_joins(rank, world_size):
     return "joined"
 
 
+@pytest.mark.multirank
 def test_a_rank_that_never_joins_times_out_instead_of_hanging():
     out = run_ranks(never_joins, 2, init=False, timeout=120)
     assert out[1] == "absent"
@@ -145,6 +148,7 @@ def mean_of_ranks(rank, world_size, mesh=None):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size,mesh", [(2, None), (4, None), (4, (2, 2)), (4, (4, 1))])
 def test_reduce_scatter_mean_hides_the_pre_post_split(world_size, mesh):
     mean = 64.0 * (world_size + 1) / 2  # every partial sum exact in BF16

@@ -35,6 +35,7 @@ def shutdown_after_training(rank, world_size, destroy_only):
     return {"before": before, "after": gloo_threads(), "initialized": dist.is_initialized()}
 
 
+@pytest.mark.multirank
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
 @pytest.mark.parametrize("destroy_only", [False, True])
 def test_shutdown_joins_the_gloo_threads_while_the_engine_is_alive(destroy_only):
