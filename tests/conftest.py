@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import pytest
 
+import fzero.checkpoint
+from helpers import ckpt_engine, ckpt_trained, ready_engine
+
 TIERS = ("unit", "multirank", "e2e")
 
 
@@ -35,3 +38,21 @@ def tier_of(item) -> str:
 @pytest.fixture(autouse=True)
 def _tier(request, monkeypatch):
     monkeypatch.setenv("FZERO_TEST_TIER", tier_of(request.node))
+
+
+@pytest.fixture
+def ready():
+    """``(engine, params, state, scaler_state, grads)``: an FP16 AdamW engine on one process,
+    init-ed, with grads for a step (``helpers.ready_engine``)."""
+    return ready_engine()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """``(path, engine, params, state, scaler_state)``: a 1-rank checkpoint after 3 steps, with
+    ``extra``, and the engine and state it came from."""
+    path = str(tmp_path / "ckpt")
+    engine = ckpt_engine()
+    params, state, ss = ckpt_trained(engine, 3)
+    fzero.checkpoint.save(path, params, state, ss, engine, extra={"epoch": 1, "seen": [1, 2]})
+    return path, engine, params, state, ss

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
+import json
+import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,6 +19,8 @@ import torch.utils._python_dispatch
 import fzero
 import fzero.comm
 import transforms
+from fzero import checkpoint as ck
+from fzero.checkpoint import commit, lock
 from distributed import require_tier
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -220,18 +226,8 @@ def forbid_host_syncs():
 
 
 # ------------------------------------------------------------------------ checkpoints (tests/test_checkpoint*.py)
-# A model with odd leaf sizes, its engine and training, a saved checkpoint (the ``saved``
-# fixture: import it into the test module), and views of a checkpoint's state and files.
-import hashlib  # noqa: E402 -- this section's own imports
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-
-import pytest  # noqa: E402
-
-from fzero import checkpoint as ck  # noqa: E402
-from fzero.checkpoint import commit, lock  # noqa: E402
-
+# A model with odd leaf sizes, its engine and training (the ``saved`` fixture of conftest.py
+# saves it), and views of a checkpoint's state and files.
 
 CKPT_BAD_STEP = 1  # every rank sees an inf at this step: skipped, and the loss scale backs off
 
@@ -277,16 +273,6 @@ def ckpt_fresh_engine(**kw):
     engine = ckpt_engine(**kw)
     engine.init(ckpt_params(seed=1))
     return engine
-
-
-@pytest.fixture
-def saved(tmp_path):
-    """A 1-rank checkpoint and the engine/state it came from."""
-    path = str(tmp_path / "ckpt")
-    engine = ckpt_engine()
-    params, state, ss = ckpt_trained(engine, 3)
-    ck.save(path, params, state, ss, engine, extra={"epoch": 1, "seen": [1, 2]})
-    return path, engine, params, state, ss
 
 
 def ckpt_paths_shapes():

@@ -27,8 +27,7 @@ from fzero import checkpoint as ck
 from fzero.checkpoint import lock
 from helpers import (
     CKPT_COMMITTED, assert_views_equal, ckpt_engine, ckpt_entries, ckpt_fresh_engine, ckpt_params,
-    ckpt_paths_shapes, ckpt_steps, ckpt_trained, file_contents, flip_byte, global_view, grads_like, saved,
-    snapshot_dir,
+    ckpt_paths_shapes, ckpt_steps, ckpt_trained, file_contents, flip_byte, global_view, grads_like, snapshot_dir,
 )
 
 

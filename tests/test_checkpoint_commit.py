@@ -25,8 +25,7 @@ from fzero import checkpoint as ck
 from fzero.checkpoint import commit
 from helpers import (
     CKPT_COMMITTED, CKPT_ONE, assert_views_equal, ckpt_engine, ckpt_entries, ckpt_fresh_engine, ckpt_params,
-    ckpt_paths_shapes, ckpt_steps, ckpt_trained, file_contents, flip_byte, global_view, mixed_parts, saved,
-    snapshot_dir, tagged,
+    ckpt_paths_shapes, ckpt_steps, ckpt_trained, file_contents, flip_byte, global_view, mixed_parts, snapshot_dir, tagged,
 )
 
 

@@ -14,7 +14,7 @@ from distributed import run_ranks
 from fzero import checkpoint as ck
 from helpers import (
     CKPT_COMMITTED, ckpt_engine, ckpt_entries, ckpt_fresh_engine, ckpt_params, ckpt_steps, ckpt_trained,
-    file_contents, mixed_parts, saved, tagged,
+    file_contents, mixed_parts, tagged,
 )
 
 

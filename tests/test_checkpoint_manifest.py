@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from fzero import checkpoint as ck
-from helpers import CKPT_ONE, ckpt_entries, ckpt_fresh_engine, edit_manifest, saved, snapshot_dir
+from helpers import CKPT_ONE, ckpt_entries, ckpt_fresh_engine, edit_manifest, snapshot_dir
 
 
 def test_manifest_contents_and_no_pickle(saved):

@@ -10,7 +10,7 @@ import fzero
 import transforms
 from fzero import checkpoint as ck
 from fzero.checkpoint import reshard
-from helpers import assert_views_equal, ckpt_fresh_engine, ckpt_params, ckpt_steps, global_view, saved
+from helpers import assert_views_equal, ckpt_fresh_engine, ckpt_params, ckpt_steps, global_view
 
 
 @pytest.mark.parametrize("old_n,new_n", [(2, 3), (3, 1), (1, 4), (4, 2)])

@@ -12,7 +12,7 @@ import fzero
 import transforms
 from fzero import checkpoint as ck
 from fzero.checkpoint import commit
-from helpers import ckpt_engine, ckpt_fresh_engine, ckpt_params, edit_manifest, flip_byte, saved, snapshot_dir
+from helpers import ckpt_engine, ckpt_fresh_engine, ckpt_params, edit_manifest, flip_byte, snapshot_dir
 
 
 def shard_files(path):

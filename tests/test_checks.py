@@ -5,7 +5,7 @@ import torch
 
 import fzero
 import transforms
-from helpers import odd_params, ready_engine
+from helpers import odd_params
 
 
 def engine():
@@ -41,11 +41,6 @@ def test_a_bool_hyperparameter_is_refused(value):
 
 
 # ---------------------------------------------------------------- step inputs
-@pytest.fixture
-def ready():
-    return ready_engine()
-
-
 def test_grads_wrong_dtype_names_leaf(ready):
     engine, params, state, ss, grads = ready
     grads["w"] = grads["w"].float()

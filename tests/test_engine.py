@@ -8,7 +8,7 @@ import fzero
 import fzero.comm
 import transforms
 from models import mlp
-from helpers import grads_like, master_tree, odd_params, ready_engine, run_tx, torch_adamw, tree_assert_close, tree_equal
+from helpers import grads_like, master_tree, odd_params, run_tx, torch_adamw, tree_assert_close, tree_equal
 
 
 def test_fp32_parity_with_torch_adamw():
@@ -126,11 +126,6 @@ def test_fp16_dynamic_scaling_trains_mlp_under_func_grad():
         skipped += int(info["found_inf"])
     assert skipped >= 1  # 2**24 overflows fp16 grads at first...
     assert losses[-1] < 0.5 * losses[0]  # ...and training recovers after the backoffs
-
-
-@pytest.fixture
-def ready():
-    return ready_engine()
 
 
 def test_accumulated_of_the_wrong_size_raises_instead_of_being_truncated(ready):
