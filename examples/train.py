@@ -114,7 +114,8 @@ def main(argv=None):
         # load warns about each one that differs from the checkpoint's.
         params, state, scaler_state, extra = fzero.checkpoint.load(args.resume, engine)
         first_step = extra["step"] + 1
-        hyperparams = {name: float(v) for name, v in transforms.get_hyperparams(state).items()}  # once, before the loop
+        # The stored ones (a scheduled lr is not), once, before the loop.
+        hyperparams = {name: float(v) for name, v in transforms.iter_hyperparams(state)}
         resumed = {"from": args.resume, "step": extra["step"], "hyperparams": hyperparams}
         if rank == 0:
             print(f"resumed from {args.resume} at step {extra['step']} with hyperparameters {json.dumps(hyperparams)}")

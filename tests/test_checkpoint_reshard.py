@@ -1,5 +1,7 @@
 """Reading at any world size (fzero.checkpoint.reshard): the reading plan, and the optimizer's
 configuration on load (hyperparameters from the engine or the checkpoint)."""
+import json
+import os
 import warnings
 
 import optree
@@ -10,7 +12,7 @@ import fzero
 import transforms
 from fzero import checkpoint as ck
 from fzero.checkpoint import reshard
-from helpers import assert_views_equal, ckpt_fresh_engine, ckpt_params, ckpt_steps, global_view
+from helpers import assert_views_equal, ckpt_fresh_engine, ckpt_params, ckpt_steps, global_view, snapshot_dir
 
 
 @pytest.mark.parametrize("old_n,new_n", [(2, 3), (3, 1), (1, 4), (4, 2)])
@@ -98,6 +100,31 @@ def test_no_warning_when_the_hyperparameters_agree(saved):
         warnings.simplefilter("always")
         ck.load(path, ckpt_fresh_engine())
     assert [str(w.message) for w in caught] == []
+
+
+
+@pytest.mark.parametrize("hyperparams", ["engine", "checkpoint"])
+def test_a_scheduled_lr_is_never_stored_and_follows_the_engines_schedule_after_a_load(saved, hyperparams):
+    """A scheduled lr is no hyperparameter of the checkpoint: the manifest holds the schedule's
+    count and no lr, a load warns about no lr, and the loaded state shows the loading engine's
+    schedule at the saved count (``get_hyperparams``), with either ``hyperparams``."""
+    path, engine, params, state, ss = saved
+    with open(os.path.join(snapshot_dir(path), "manifest.json")) as f:
+        names = [e["name"] for e in json.load(f)["state"]]
+    assert "tx_state/2/count" in names and not [n for n in names if n.endswith("lr")]
+    other_schedule = transforms.linear_warmup(2e-3, 2e-2, 3)
+    tx = transforms.adamw(lr=other_schedule, weight_decay=0.1,
+                          weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p))
+    other = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=fzero.DynamicLossScale(init_scale=16.0, growth_interval=2))
+    other.init(ckpt_params(seed=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, s2, _, _ = ck.load(path, other, hyperparams=hyperparams)
+    count = state.tx_state[2].count
+    assert int(count) == 2  # 3 steps, one skipped
+    assert torch.equal(transforms.get_hyperparams(state)["lr"], transforms.linear_warmup(1e-3, 1e-2, 3)(count))
+    assert torch.equal(s2.tx_state[2].count, count)
+    assert torch.equal(transforms.get_hyperparams(s2)["lr"], other_schedule(count))
 
 
 @pytest.mark.parametrize("hyperparams", ["engine", "checkpoint"])

@@ -1,10 +1,13 @@
 import math
 import re
 
+import optree
 import pytest
 import torch
 
+import fzero
 import transforms
+from helpers import forbid_host_syncs, grads_like, odd_params
 
 
 def values(schedule, n):
@@ -108,3 +111,31 @@ def test_invalid_schedule_arguments_raise(make, message):
 def test_integer_like_step_counts_are_accepted():
     s = transforms.warmup_cosine_decay(0.0, 1.0, torch.tensor(2), torch.tensor(6))
     assert values(s, 3) == pytest.approx([0.0, 0.5, 1.0])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "generic"])
+def test_get_hyperparams_shows_the_scheduled_lr_the_next_step_applies(fused):
+    """``get_hyperparams`` had no ``lr`` when the lr was a schedule. It shows ``schedule(count)``
+    at the state's count of applied updates: the lr the next step applies and reports as
+    ``info["lr"]`` (torch's ``get_last_lr``), computed without a host sync, next to the stored
+    hyperparameters; a skipped step leaves it where it was."""
+    sched = transforms.warmup_cosine_decay(1e-3, 1e-2, 2, 6, end_value=1e-4)
+    tx = transforms.adamw(lr=sched, weight_decay=0.1)
+    engine = fzero.zero1(tx if fused else tx._replace(fused=None), param_dtype=torch.float16,
+                         loss_scale=fzero.StaticLossScale(4.0))
+    p0 = odd_params()
+    params, state, ss = engine.init(p0)
+    applied = 0
+    for i in range(7):
+        grads = optree.tree_map(lambda g: (4 * g).half(), grads_like(p0, i))
+        if i == 3:
+            grads["w"][0, 0] = float("inf")
+        with forbid_host_syncs():
+            shown = transforms.get_hyperparams(state)  # the whole engine state, or its tx_state
+        assert set(shown) == {"b1", "b2", "eps", "weight_decay", "lr"}
+        assert torch.equal(transforms.get_hyperparams(state.tx_state)["lr"], shown["lr"])
+        assert shown["lr"].ndim == 0 and torch.equal(shown["lr"], sched(torch.tensor(applied, dtype=torch.int32)))
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        assert float(info["lr"]) == float(shown["lr"])
+        applied += not bool(info["found_inf"])
+    assert applied == 6 and int(state.tx_state[2].count) == 6

@@ -3,7 +3,10 @@
 ``init(params, *, context=None) -> state`` and ``update(updates, state, params=None, **extra) ->
 (updates, state)`` are pure functions on pytrees (a single tensor is a pytree of one leaf).
 ``state`` is built from NamedTuples/tuples/dicts of tensors. Hyperparameters live in the state
-as 0-d float64 tensors, so changing one (``set_hyperparams``) never retraces a compiled step.
+as 0-d float64 tensors, so changing one (``set_hyperparams``) never retraces a compiled step. A
+hyperparameter that follows a schedule (a scheduled ``lr``) is not stored: the state holds the
+schedule's count, and its NamedTuple class names the schedule (``get_hyperparams`` shows the
+value).
 
 ``context``: ``None`` when ``params`` is the params pytree itself (plain use). A caller that
 runs the transform on a flat shard of a pytree -- fzero's engine, on one rank's FP32 shard --
@@ -247,32 +250,59 @@ def named_tuples(tree):
 
 
 def iter_hyperparams(state):
-    """Yield ``(name, tensor)`` for every hyperparameter field of ``state`` -- a 0-d tensor
+    """Yield ``(name, tensor)`` for every stored hyperparameter of ``state`` -- a 0-d tensor field
     named in a state NamedTuple's ``HYPERPARAMS`` -- depth first, one pair per field (two
-    transforms with an ``lr`` give two pairs)."""
+    transforms with an ``lr`` give two pairs): the optimizer's configuration that checkpoints
+    keep and ``set_hyperparams`` changes. A scheduled value is none of them (see
+    ``get_hyperparams``)."""
     for node in named_tuples(state):
         for name in getattr(type(node), "HYPERPARAMS", ()):
             yield name, getattr(node, name)
 
 
 def get_hyperparams(state) -> dict[str, torch.Tensor]:
-    """Every hyperparameter field (see ``iter_hyperparams``) by name; the last of equal names wins."""
-    return dict(iter_hyperparams(state))
+    """Every hyperparameter the next update of ``state`` applies, by name (depth first, the last
+    of equal names wins): the stored ones (``iter_hyperparams``) and the scheduled ones -- for
+    each ``name: schedule`` in a state NamedTuple class's ``SCHEDULES`` (a scheduled ``lr``, see
+    ``scale_by_learning_rate``), ``schedule(count)`` at that state's ``count`` of applied
+    updates: the value the next step applies, which fzero's engine reports as that step's
+    ``info["lr"]`` (like torch's ``scheduler.get_last_lr()``). 0-d tensors, computed with tensor
+    ops: no host sync. To store or restore the configuration use ``iter_hyperparams``: a
+    scheduled value is no part of it."""
+    out = {}
+    for node in named_tuples(state):
+        out.update((name, getattr(node, name)) for name in getattr(type(node), "HYPERPARAMS", ()))
+        out.update((name, torch.as_tensor(s(node.count))) for name, s in getattr(type(node), "SCHEDULES", {}).items())
+    return out
+
+
+def _schedule_name(schedule) -> str:
+    return getattr(schedule, "__name__", None) or repr(schedule)
 
 
 def set_hyperparams(state, **values):
     """A copy of ``state`` with the named hyperparameters replaced (e.g. ``lr=3e-4``).
 
     Values become 0-d tensors (dtype of the old value) on the old value's device; the state's structure is
-    unchanged, so a compiled step keeps its graph. Unknown names raise ``KeyError``. New values of
+    unchanged, so a compiled step keeps its graph. Only stored hyperparameters can be set
+    (``iter_hyperparams``): a name that follows a schedule in ``state`` (a scheduled ``lr``) raises
+    ``ValueError`` naming the schedule; other unknown names raise ``KeyError`` naming the ones
+    there are. New values of
     the built-in names are checked like the factories' arguments (``lr``, ``eps``,
     ``weight_decay``, ``momentum`` finite and >= 0; ``b1``, ``b2`` in [0, 1); ``max_norm`` finite
     and > 0), Python numbers and tensors alike (a tensor is read on the host: call this between
     steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
     """
-    unknown = set(values) - set(get_hyperparams(state))
+    for node in named_tuples(state):
+        for name, schedule in getattr(type(node), "SCHEDULES", {}).items():
+            if name in values:
+                raise ValueError(f"set_hyperparams: {name} follows the schedule {_schedule_name(schedule)}, which "
+                                 f"set_hyperparams cannot change: build the transform with a new schedule, or with a "
+                                 f"constant {name} to set it between steps")
+    stored = {name for name, _ in iter_hyperparams(state)}
+    unknown = set(values) - stored
     if unknown:
-        raise KeyError(f"no hyperparameter(s) {sorted(unknown)} in state; have {sorted(get_hyperparams(state))}")
+        raise KeyError(f"no hyperparameter(s) {sorted(unknown)} in state; have {sorted(stored)}")
     checked = {}
     for name, value in values.items():
         checked[name] = check_number("set_hyperparams", name, value, HYPERPARAM_RULES[name]) if name in HYPERPARAM_RULES else float(value)
