@@ -107,7 +107,7 @@ def test_no_warning_when_the_hyperparameters_agree(saved):
 def test_a_scheduled_lr_is_never_stored_and_follows_the_engines_schedule_after_a_load(saved, hyperparams):
     """A scheduled lr is no hyperparameter of the checkpoint: the manifest holds the schedule's
     count and no lr, a load warns about no lr, and the loaded state shows the loading engine's
-    schedule at the saved count (``get_hyperparams``), with either ``hyperparams``."""
+    schedule at the saved count (``get_hyperparams`` with its transform), with either ``hyperparams``."""
     path, engine, params, state, ss = saved
     with open(os.path.join(snapshot_dir(path), "manifest.json")) as f:
         names = [e["name"] for e in json.load(f)["state"]]
@@ -122,9 +122,9 @@ def test_a_scheduled_lr_is_never_stored_and_follows_the_engines_schedule_after_a
         _, s2, _, _ = ck.load(path, other, hyperparams=hyperparams)
     count = state.tx_state[2].count
     assert int(count) == 2  # 3 steps, one skipped
-    assert torch.equal(transforms.get_hyperparams(state)["lr"], transforms.linear_warmup(1e-3, 1e-2, 3)(count))
+    assert torch.equal(transforms.get_hyperparams(state.tx_state, engine.tx)["lr"], transforms.linear_warmup(1e-3, 1e-2, 3)(count))
     assert torch.equal(s2.tx_state[2].count, count)
-    assert torch.equal(transforms.get_hyperparams(s2)["lr"], other_schedule(count))
+    assert torch.equal(transforms.get_hyperparams(s2.tx_state, other.tx)["lr"], other_schedule(count))
 
 
 @pytest.mark.parametrize("hyperparams", ["engine", "checkpoint"])

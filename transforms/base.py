@@ -5,8 +5,8 @@
 ``state`` is built from NamedTuples/tuples/dicts of tensors. Hyperparameters live in the state
 as 0-d float64 tensors, so changing one (``set_hyperparams``) never retraces a compiled step. A
 hyperparameter that follows a schedule (a scheduled ``lr``) is not stored: the state holds the
-schedule's count, and its NamedTuple class names the schedule (``get_hyperparams`` shows the
-value).
+schedule's count, its NamedTuple class lists the name in ``SCHEDULED``, and the transform's
+``hyperparams`` give the value (``get_hyperparams(state, tx)``).
 
 ``context``: ``None`` when ``params`` is the params pytree itself (plain use). A caller that
 runs the transform on a flat shard of a pytree -- fzero's engine, on one rank's FP32 shard --
@@ -260,24 +260,18 @@ def iter_hyperparams(state):
             yield name, getattr(node, name)
 
 
-def get_hyperparams(state) -> dict[str, torch.Tensor]:
-    """Every hyperparameter the next update of ``state`` applies, by name (depth first, the last
-    of equal names wins): the stored ones (``iter_hyperparams``) and the scheduled ones -- for
-    each ``name: schedule`` in a state NamedTuple class's ``SCHEDULES`` (a scheduled ``lr``, see
-    ``scale_by_learning_rate``), ``schedule(count)`` at that state's ``count`` of applied
-    updates: the value the next step applies, which fzero's engine reports as that step's
-    ``info["lr"]`` (like torch's ``scheduler.get_last_lr()``). 0-d tensors, computed with tensor
-    ops: no host sync. To store or restore the configuration use ``iter_hyperparams``: a
-    scheduled value is no part of it."""
-    out = {}
-    for node in named_tuples(state):
-        out.update((name, getattr(node, name)) for name in getattr(type(node), "HYPERPARAMS", ()))
-        out.update((name, torch.as_tensor(s(node.count))) for name, s in getattr(type(node), "SCHEDULES", {}).items())
+def get_hyperparams(state, tx: GradientTransformation | None = None) -> dict[str, torch.Tensor]:
+    """Every hyperparameter by name (depth first, the last of equal names wins): the stored ones
+    (``iter_hyperparams``) and, given the transform ``tx`` that built ``state``, the values its
+    ``hyperparams`` compute from the state, such as a scheduled ``lr``: ``schedule(count)`` at
+    the state's count of applied updates, the value the next update applies and fzero's engine
+    reports as that step's ``info["lr"]`` (like torch's ``scheduler.get_last_lr()``). 0-d
+    tensors, computed with tensor ops: no host sync. With fzero's engine pass the transform
+    state: ``get_hyperparams(state.tx_state, tx)``."""
+    out = dict(iter_hyperparams(state))
+    if tx is not None and tx.hyperparams is not None:
+        out.update(tx.hyperparams(state))
     return out
-
-
-def _schedule_name(schedule) -> str:
-    return getattr(schedule, "__name__", None) or repr(schedule)
 
 
 def set_hyperparams(state, **values):
@@ -286,7 +280,7 @@ def set_hyperparams(state, **values):
     Values become 0-d tensors (dtype of the old value) on the old value's device; the state's structure is
     unchanged, so a compiled step keeps its graph. Only stored hyperparameters can be set
     (``iter_hyperparams``): a name that follows a schedule in ``state`` (a scheduled ``lr``) raises
-    ``ValueError`` naming the schedule; other unknown names raise ``KeyError`` naming the ones
+    ``ValueError`` saying so; other unknown names raise ``KeyError`` naming the ones
     there are. New values of
     the built-in names are checked like the factories' arguments (``lr``, ``eps``,
     ``weight_decay``, ``momentum`` finite and >= 0; ``b1``, ``b2`` in [0, 1); ``max_norm`` finite
@@ -294,11 +288,10 @@ def set_hyperparams(state, **values):
     steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
     """
     for node in named_tuples(state):
-        for name, schedule in getattr(type(node), "SCHEDULES", {}).items():
-            if name in values:
-                raise ValueError(f"set_hyperparams: {name} follows the schedule {_schedule_name(schedule)}, which "
-                                 f"set_hyperparams cannot change: build the transform with a new schedule, or with a "
-                                 f"constant {name} to set it between steps")
+        for name in sorted(set(values) & set(getattr(type(node), "SCHEDULED", ()))):
+            raise ValueError(f"set_hyperparams: {name} follows a schedule (the state stores its count only, in "
+                             f"{type(node).__name__}), which set_hyperparams cannot change: build the transform with a "
+                             f"new schedule, or with a constant {name} to set it between steps")
     stored = {name for name, _ in iter_hyperparams(state)}
     unknown = set(values) - stored
     if unknown:

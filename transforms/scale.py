@@ -1,7 +1,6 @@
 """Scaling by the learning rate and decoupled weight decay."""
 from __future__ import annotations
 
-import weakref
 from typing import Callable, NamedTuple
 
 import optree
@@ -30,30 +29,13 @@ class ScaleByLearningRateState(NamedTuple):
 
 
 class ScaleByScheduleState(NamedTuple):
-    """``count``: 0-d int32 applied updates; the learning rate is ``schedule(count)``.
-
-    The state of ``scale_by_learning_rate(schedule)`` is of a subclass made for its schedule
-    object that names it, ``SCHEDULES = {"lr": schedule}``, so that ``get_hyperparams`` shows the
-    rate from the state alone. Only the count is stored: a checkpoint holds no lr, and
-    ``set_hyperparams`` cannot set one. The subclass keeps the name, so a state prints alike on
-    every rank; transforms built with the same schedule object share it, while the states of
-    two schedule objects differ in structure (an engine refuses the other's state)."""
+    """``count``: 0-d int32 applied updates; the learning rate is ``schedule(count)``, not stored
+    (``SCHEDULED``): the transform's ``hyperparams`` give it, and so does ``get_hyperparams(state,
+    tx)``; ``set_hyperparams`` cannot set it."""
 
     count: torch.Tensor
 
-
-# id(schedule) -> its ScaleByScheduleState subclass, while a state or transform holds that class
-# (which holds the schedule, so the id stays its own).
-_SCHEDULE_STATES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _schedule_state_type(schedule) -> type:
-    """The ``ScaleByScheduleState`` subclass for ``schedule`` (see there)."""
-    cls = _SCHEDULE_STATES.get(id(schedule))
-    if cls is None:
-        cls = type(ScaleByScheduleState.__name__, (ScaleByScheduleState,), {"__slots__": (), "SCHEDULES": {"lr": schedule}})
-        _SCHEDULE_STATES[id(schedule)] = cls
-    return cls
+    SCHEDULED = ("lr",)
 
 
 class AddDecayedWeightsState(NamedTuple):
@@ -64,33 +46,31 @@ class AddDecayedWeightsState(NamedTuple):
 
 def learning_rate(lr, state) -> torch.Tensor:
     """The 0-d learning rate the next update of ``scale_by_learning_rate(lr)`` applies, from
-    its ``state``: ``lr(count)`` for a schedule (as ``get_hyperparams`` shows it), else the
-    state's ``lr``."""
+    its ``state``: ``lr(count)`` for a schedule, else the state's ``lr``."""
     return torch.as_tensor(lr(state.count)) if callable(lr) else state.lr
 
 
 def next_learning_rate_state(lr, state, count: Callable[[torch.Tensor], torch.Tensor]):
     """``scale_by_learning_rate(lr)``'s state after an update: a schedule's count becomes
     ``count(old count)``; a constant rate's state is unchanged."""
-    return state._replace(count=count(state.count)) if callable(lr) else state
+    return ScaleByScheduleState(count(state.count)) if callable(lr) else state
 
 
 def scale_by_learning_rate(lr) -> GradientTransformation:
     """``u -> -lr * u``. ``lr``: a float (kept as a tensor in the state) or a schedule
     ``count -> lr`` (called with the 0-d int32 count of applied updates, before this one). A float
     ``lr`` must be finite and >= 0, else ``ValueError``; a schedule's values are not checked here
-    (they cannot be, before the step), but its ``hyperparams`` give ``{"lr": ...}`` at each step
-    (``get_hyperparams`` shows the same from the state alone, see ``ScaleByScheduleState``), and
-    fzero's engine skips a step whose learning rate is not finite."""
+    (they cannot be, before the step), but its ``hyperparams`` give ``{"lr": ...}`` at each step,
+    and fzero's engine skips a step whose learning rate is not finite."""
     if callable(lr):
-        schedule, state_type = lr, _schedule_state_type(lr)
+        schedule = lr
 
         def init(params, *, context: ShardContext | None = None):
-            return state_type(zero_count(params))
+            return ScaleByScheduleState(zero_count(params))
 
         def update(updates, state, params=None, **extra):
             rate = scalar(learning_rate(schedule, state))
-            return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), state._replace(count=state.count + 1)
+            return optree.tree_map(lambda u: (-rate * u).to(u.dtype), updates), ScaleByScheduleState(state.count + 1)
 
         return GradientTransformation(init, update, None, lambda state: {"lr": learning_rate(schedule, state)})
 

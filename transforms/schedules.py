@@ -22,13 +22,6 @@ from .validate import check_count, check_number
 __all__ = ["constant", "linear", "linear_warmup", "cosine_decay", "warmup_cosine_decay"]
 
 
-def _named(name: str, schedule):
-    """``schedule`` with ``name`` as its ``__name__`` and ``__qualname__`` (the factory's, not
-    ``<lambda>`` or ``_linear.<locals>.schedule``), e.g. for ``set_hyperparams``' errors."""
-    schedule.__name__ = schedule.__qualname__ = name
-    return schedule
-
-
 def _t(count) -> torch.Tensor:
     return torch.as_tensor(count).to(torch.float64)
 
@@ -36,7 +29,7 @@ def _t(count) -> torch.Tensor:
 def constant(value: float):
     """``value`` at every step."""
     value = check_number("constant", "value", value)
-    return _named("constant", lambda count: torch.full_like(_t(count), value))
+    return lambda count: torch.full_like(_t(count), value)
 
 
 def _linear(init_value: float, end_value: float, steps: int):
@@ -53,21 +46,21 @@ def _linear(init_value: float, end_value: float, steps: int):
 def linear(init_value: float, end_value: float, transition_steps: int):
     """``init + (end - init) * min(count, T) / T``; ``end_value`` from step ``T`` on.
     ``transition_steps == 0``: ``init_value`` at every step (optax's rule)."""
-    return _named("linear", _linear(
+    return _linear(
         check_number("linear", "init_value", init_value),
         check_number("linear", "end_value", end_value),
         check_count("linear", "transition_steps", transition_steps, minimum=0),
-    ))
+    )
 
 
 def linear_warmup(init_value: float, peak_value: float, warmup_steps: int):
     """Linear from ``init_value`` to ``peak_value`` over ``warmup_steps``, then ``peak_value``.
     ``warmup_steps == 0``: ``init_value`` at every step (optax's ``linear_schedule``)."""
-    return _named("linear_warmup", _linear(
+    return _linear(
         check_number("linear_warmup", "init_value", init_value),
         check_number("linear_warmup", "peak_value", peak_value),
         check_count("linear_warmup", "warmup_steps", warmup_steps, minimum=0),
-    ))
+    )
 
 
 def _cosine(init_value: float, steps: int, end_value: float):
@@ -80,11 +73,11 @@ def _cosine(init_value: float, steps: int, end_value: float):
 
 def cosine_decay(init_value: float, decay_steps: int, end_value: float = 0.0):
     """``end + (init - end) * (1 + cos(pi * min(count, D) / D)) / 2``; ``end_value`` after ``D``."""
-    return _named("cosine_decay", _cosine(
+    return _cosine(
         check_number("cosine_decay", "init_value", init_value),
         check_count("cosine_decay", "decay_steps", decay_steps, minimum=1),
         check_number("cosine_decay", "end_value", end_value),
-    ))
+    )
 
 
 def warmup_cosine_decay(init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0):
@@ -105,4 +98,4 @@ def warmup_cosine_decay(init_value: float, peak_value: float, warmup_steps: int,
         t = _t(count)
         return torch.where(t < warmup_steps, warm(t), decay(t - warmup_steps))
 
-    return _named("warmup_cosine_decay", schedule)
+    return schedule
