@@ -23,7 +23,8 @@ from fzero import checkpoint as ck
 from fzero.checkpoint import commit, lock
 from distributed import require_tier
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
 TRAIN = EXAMPLES / "train.py"
 
 
