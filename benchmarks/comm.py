@@ -6,6 +6,7 @@ Same nn.Module, same global batch, one run, for each recipe:
 * DDP + torch ZeroRedundancyOptimizer(AdamW) (FP32)   -- torch's ZeRO-1 (whole params per rank)
 * fzero stage 1, FP32 params and BF16 params          -- element-wise ZeRO-1, FP32 master
 * fzero stage 1 + overlap (FP32)                      -- ``engine.grad_and_value``: reduce-scatter in backward
+                                                         (micro-batches before the last: ``no_sync``)
 * fzero stage 1 / stage 2 with 2 micro-batches (BF16)  -- gradient accumulation, 4P vs 4P/N buffer
 * fzero stage 1 with ``offload="cpu"`` (BF16)          -- (on a CPU box this only shows the cost)
 
@@ -153,12 +154,18 @@ def fzero_recipe(model, loss_fn, dtype, counter, overlap=False, compile=True, **
 
     def step(batches, eager=False):  # eager: for counting collectives (see counted_comm)
         acc = None
-        for b in batches:
-            grads, _ = grad_fn(carry[0], b)
-            acc = grads if len(batches) == 1 else engine.accumulate(acc, grads)
+        for m, b in enumerate(batches):
+            if not overlap:
+                grads, _ = grad_fn(carry[0], b)
+                acc = grads if len(batches) == 1 else engine.accumulate(acc, grads)
+            elif m < len(batches) - 1:  # DDP's no_sync: summed on this rank, nothing communicated
+                acc, _ = grad_fn.no_sync(acc, carry[0], carry[2], b)
+            else:  # the sum joins the last micro-batch's reduce-scatters, inside backward
+                grads, _ = grad_fn.sync(acc, carry[0], carry[2], b)
         last["acc"] = acc if len(batches) > 1 else None
         last["grads"] = grads
-        carry[0], carry[1], carry[2], _ = (engine.step if eager else engine_step)(carry[0], acc, carry[1], carry[2])
+        total = grads if overlap else acc
+        carry[0], carry[1], carry[2], _ = (engine.step if eager else engine_step)(carry[0], total, carry[1], carry[2])
 
     def held():
         return engine.state_bytes(carry[1]), storage_bytes(carry[0], last["grads"], last["acc"])

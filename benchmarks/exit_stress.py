@@ -40,15 +40,14 @@ def child(ending: str) -> None:
     rank = dist.get_rank()
     engine = fzero.zero1(transforms.adamw(lr=1e-3), param_dtype=torch.float16, bucket_bytes=4096)
     params, state, ss = engine.init(mlp.init(torch.Generator().manual_seed(0), (16, 64, 64, 4)))
-    loss = lambda p, batch, ss: fzero.scale_loss(mlp.loss(p, batch), ss)
-    overlapped = engine.grad_and_value(loss)
+    overlapped = engine.grad_and_value(mlp.loss)  # scales the loss itself
     g = torch.Generator().manual_seed(rank)
     for step in range(4):
         batch = (torch.randn(8, 16, generator=g).half(), torch.randn(8, 4, generator=g).half())
         if step % 2:
-            grads, _ = overlapped(params, batch, ss)
+            grads, _ = overlapped(params, ss, batch)
         else:
-            grads, _ = torch.func.grad_and_value(loss)(params, batch, ss)
+            grads, _ = torch.func.grad_and_value(lambda p: fzero.scale_loss(mlp.loss(p, batch), ss))(params)
         params, state, ss, info = engine.step(params, grads, state, ss)
     if ending == "destroy":
         dist.destroy_process_group()

@@ -59,17 +59,17 @@ def setup(rank, world_size, rdzv, args):
 def eager_worker(rank, world_size, rdzv, args, out):
     engine, params, state, ss, loss_fn, batch = setup(rank, world_size, rdzv, args)
     grad_fns = {
-        "backward only": lambda p: torch.func.grad_and_value(loss_fn)(p, batch),
-        "reduce in step": lambda p: torch.func.grad_and_value(loss_fn)(p, batch),
-        "grad_and_value, overlap=False": lambda p: engine.grad_and_value(loss_fn, overlap=False)(p, batch),
-        "grad_and_value, overlap=True": lambda p: engine.grad_and_value(loss_fn, overlap=True)(p, batch),
+        "backward only": lambda p, ss: torch.func.grad_and_value(loss_fn)(p, batch),  # no loss scale (FP32)
+        "reduce in step": lambda p, ss: torch.func.grad_and_value(loss_fn)(p, batch),
+        "grad_and_value, overlap=False": lambda p, ss: engine.grad_and_value(loss_fn, overlap=False)(p, ss, batch),
+        "grad_and_value, overlap=True": lambda p, ss: engine.grad_and_value(loss_fn, overlap=True)(p, ss, batch),
     }
     grad_s = {m: [] for m in EAGER}  # the forward+backward part of each run, warm-up runs first
 
     def one(mode):
         nonlocal params, state, ss
         t0 = time.perf_counter()
-        grads, _ = grad_fns[mode](params)
+        grads, _ = grad_fns[mode](params, ss)
         grad_s[mode].append(time.perf_counter() - t0)
         if mode != "backward only":
             params, state, ss, _ = engine.step(params, grads, state, ss)

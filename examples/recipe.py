@@ -85,7 +85,8 @@ def make_train_step(engine, loss_fn, *, compile: bool):
     ``info`` the engine's, 0-d tensors on the device.
 
     The grads come back already reduce-scattered: each bucket's collective starts inside
-    backward (``engine.grad_and_value``). With ``compile``, ``engine.step`` is one compiled
+    backward (``engine.grad_and_value``, which also multiplies the loss by the loss scale and
+    returns it unscaled). With ``compile``, ``engine.step`` is one compiled
     graph; the learning rate and the loss scale are tensors in the state, so changing them never
     recompiles it.
 
@@ -96,15 +97,11 @@ def make_train_step(engine, loss_fn, *, compile: bool):
     aten kernels either way; so 600 steps end sooner this way, and backward keeps overlapping the
     reduce-scatter (``grad_and_value`` is eager only)."""
 
-    def scaled_loss(params, batch, scaler_state):
-        loss = loss_fn(params, batch)
-        return fzero.scale_loss(loss, scaler_state), loss.detach()  # the unscaled loss rides along
-
-    grad_fn = engine.grad_and_value(scaled_loss, has_aux=True)
+    grad_fn = engine.grad_and_value(loss_fn)
     optimizer_step = torch.compile(engine.step, fullgraph=True) if compile else engine.step
 
     def train_step(params, state, scaler_state, batch):
-        grads, (_, loss) = grad_fn(params, batch, scaler_state)
+        grads, loss = grad_fn(params, scaler_state, batch)
         # The step on the flat buffer the leaves are views of: compiled, it writes the new params
         # in the update's own pass; a pytree costs a pass per leaf (docs/performance.md).
         flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)

@@ -122,18 +122,17 @@ def train(args, net: nn.Module, rank: int, world: int):
             b.data = b.data.to(dtype)
     mine = rows_of(rank, world, args.batch_size)
 
-    def loss_fn(params, images, labels, scaler_state):
+    def loss_fn(params, images, labels):
         logits = apply(params, images.to(dtype))
-        loss = F.cross_entropy(logits.float(), labels)
-        return fzero.scale_loss(loss, scaler_state), loss.detach()
+        return F.cross_entropy(logits.float(), labels)
 
-    grad_fn = engine.grad_and_value(loss_fn, has_aux=True)
+    grad_fn = engine.grad_and_value(loss_fn)
     net.train()
     losses = []
     for step in range(1, args.steps + 1):
         images, labels = batch(step, args.batch_size, args.seed)
         sync_buffers(buffers)  # rank 0's running stats, as DDP does before each forward
-        grads, (_, loss) = grad_fn(params, images[mine], labels[mine], scaler_state)
+        grads, loss = grad_fn(params, scaler_state, images[mine], labels[mine])
         params, state, scaler_state, info = engine.step(params, grads, state, scaler_state)
         losses.append(loss)
         if step % args.log_every == 0 and rank == 0:

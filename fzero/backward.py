@@ -34,45 +34,42 @@ from typing import Any, Callable
 
 import torch
 
-from .flat import Layout, concat
+from .flat import Layout
 
 __all__ = ["grad_and_value"]
 
 
 def grad_and_value(
-    fn: Callable,
+    fn: Callable[[Any], tuple[torch.Tensor, Any]],
     params: Any,
     layout: Layout,
-    start_bucket: Callable[[torch.Tensor, int], torch.Tensor],
-    wait: Callable[[torch.Tensor, int], torch.Tensor],
-    args: tuple,
-    kwargs: dict,
-    *,
-    dtype: torch.dtype,
-    has_aux: bool = False,
-) -> tuple[torch.Tensor, Any]:
-    """``(shard, value)``: ``value = fn(params, *args, **kwargs)``; ``shard`` = the concatenated
-    ``[S_b]`` results of ``start_bucket(grads of bucket i as [N*S_b] in dtype, i)``, each
-    started during backward (see module doc) and finished by ``wait(its result, i)``. ``params``:
-    a pytree laid out by ``layout``.
+    buffers: list[torch.Tensor],
+    start_bucket: Callable[[torch.Tensor, int], Any],
+    wait: Callable[[Any, int], torch.Tensor],
+) -> tuple[list[torch.Tensor], Any]:
+    """``(parts, value)`` where ``(loss, value) = fn(params)`` and ``parts[i] = wait(start_bucket(
+    buffers[i], i), i)``: backward of ``loss`` writes bucket ``i``'s grads into ``buffers[i]``
+    (its ``[N*S_b]`` buffer, any float dtype, given up to this call), and ``start_bucket`` is
+    called during backward, as soon as the bucket is complete (see module doc). ``params``: a
+    pytree laid out by ``layout``; ``loss`` a 0-d tensor.
 
-    ``fn`` returns a 0-d loss, or ``(loss, aux)`` with ``has_aux``. Eager only: under
-    ``torch.compile`` compile the whole train step instead and let inductor schedule."""
+    Raises ``ValueError`` before any bucket starts when no leaf reaches ``loss``: a loss
+    computed from other tensors than ``params`` (a module's own weights) would otherwise give
+    zero grads without a word. Eager only: under ``torch.compile`` compile the whole train step
+    instead and let inductor schedule."""
     sizes = [math.prod(s) for s in layout.shapes]
+    buffers = list(buffers)  # emptied as the buckets start; the caller's list stays as it was
     # detach() aliases the param's memory: a new autograd leaf, no copy
     leaves = [x.detach().requires_grad_() for x in layout.treespec.flatten_up_to(params)]
-    device = leaves[0].device
-    bucket_of, pos_in = {}, {}
-    buffers, missing = [], []
+    bucket_of, pos_in, missing = {}, {}, []
     for k, b in enumerate(layout.buckets):
-        buf = torch.empty(layout.world_size * b.shard, dtype=dtype, device=device)
-        buf[b.numel :].zero_()  # padding; the leaves' part is written by the hooks
-        buffers.append(buf)
+        buffers[k][b.numel :].zero_()  # padding; the leaves' part is written by the hooks
         missing.append(set(b.leaves))
         for i in b.leaves:
             bucket_of[i], pos_in[i] = k, layout.offsets[i] - b.start
     started: list[Any] = [None] * len(layout.buckets)
     next_bucket = 0  # buckets before it are started; it starts once complete (module doc)
+    arrived = 0  # leaves whose grads backward produced
 
     def arrive(i: int, grad: torch.Tensor | None) -> None:
         nonlocal next_bucket
@@ -87,6 +84,8 @@ def grad_and_value(
 
     def on_grad(i: int):
         def hook(leaf: torch.Tensor) -> None:
+            nonlocal arrived
+            arrived += 1
             arrive(i, leaf.grad)
             leaf.grad = None  # copied: free it now, not at the end of backward
         return hook
@@ -94,19 +93,17 @@ def grad_and_value(
     handles = [leaf.register_post_accumulate_grad_hook(on_grad(i)) for i, leaf in enumerate(leaves)]
     try:
         with torch.enable_grad():
-            out = fn(layout.treespec.unflatten(leaves), *args, **kwargs)
-            loss = out[0] if has_aux else out
-            if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
-                got = type(loss).__name__ + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-                raise TypeError(f"fn must return a 0-d floating loss{' as (loss, aux)' if has_aux else ''}, got {got}")
-            loss.backward(inputs=leaves)
+            loss, value = fn(layout.treespec.unflatten(leaves))
+            if loss.requires_grad:
+                loss.backward(inputs=leaves)
     finally:
         for h in handles:
             h.remove()
+    if not arrived:  # nothing started yet: every rank's misuse raises before a collective
+        raise ValueError(f"engine.grad_and_value: none of the {len(leaves)} param leaves reached the loss (no "
+                         "grad flowed to any of them): did the function call the module instead of `apply`? "
+                         "The loss must be computed from the params it is given as its first argument")
     for k in range(len(layout.buckets)):  # leaves that got no grad on this rank: zero
         for i in sorted(missing[k]):
             arrive(i, None)
-    parts = [wait(x, k) for k, x in enumerate(started)]  # bucket k's reduce, finished
-    shard = concat(parts)
-    value = (loss.detach(), out[1]) if has_aux else loss.detach()
-    return shard, value
+    return [wait(x, k) for k, x in enumerate(started)], value  # bucket k's reduce, finished

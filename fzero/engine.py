@@ -27,7 +27,7 @@ from . import checks, lineage, stages
 from .binding import Binding, ZeroState, config_table, fresh_state, to_state_device
 from .comm import Comm, SimulatedComm, comm_of_mesh
 from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
-from .grads import Accumulated, GradPath
+from .grads import Accumulated, GradFn, GradPath
 from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
 from .storage import master_storage
@@ -230,16 +230,12 @@ class Engine:
         FP32 ``[N*S]`` grads, stage 2 this rank's reduced ``[S]`` shard: see ``fzero.grads``)."""
         return self._ready().grads.accumulate(acc, grads)
 
-    def grad_and_value(self, fn, *, has_aux: bool = False, overlap: bool = True):
-        """``torch.func.grad_and_value(fn)`` for the params (first argument), each bucket's
-        reduce-scatter started inside backward: ``g(params, *args, **kwargs) -> (grads,
-        value)``, ``grads`` an ``Accumulated`` reduced shard for ``step`` or ``accumulate``
-        (details: ``fzero.grads.GradPath.grad_and_value``)."""
-
-        def grad_fn(params, *args, **kwargs):
-            return self._ready().grads.grad_and_value(fn, params, args, kwargs, has_aux=has_aux, overlap=overlap)
-
-        return grad_fn
+    def grad_and_value(self, fn, *, has_aux: bool = False, overlap: bool = True) -> GradFn:
+        """The grads of ``fn`` (the plain loss of ``(params, *args, **kwargs)``) for ``step``, the
+        loss scale applied, each bucket's reduce-scatter started inside backward: ``g(params,
+        scaler_state, *args, **kwargs) -> (grads, unscaled loss)``; micro-batches with
+        ``g.no_sync``/``g.sync`` (``fzero.grads.GradFn``)."""
+        return GradFn(lambda: self._ready().grads, fn, has_aux=has_aux, overlap=overlap)
 
     def flat_params(self, params: Any) -> torch.Tensor:
         """The ``[N*S]`` flat buffer that ``params``' leaves are views of.

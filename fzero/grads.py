@@ -8,8 +8,8 @@ one of two forms, each with its micro-batch count:
   the flat buffer (``flat_params``), or a stage-1 ``Accumulated`` (its FP32 ``[N*S]`` sum);
 * ``Reduced(shard, factor, count)``: this rank's ``[S]`` shard, already reduced over ranks:
   ``shard * factor`` is the sum over ``count`` micro-batches of the mean over ranks -- from
-  ``grad_and_value`` (reduce-scattered inside backward, see ``fzero.backward``) or a stage-2
-  ``Accumulated``.
+  a ``GradFn`` (``Engine.grad_and_value``: reduce-scattered inside backward, see
+  ``fzero.backward``) or a stage-2 ``Accumulated``.
 
 ``GradPath.reduce`` turns either into ``Reduced`` (one reduce-scatter per bucket for the first).
 The ``factor`` (``Comm.mean_factor``) stays separate so that the step folds it into its one FP32
@@ -31,17 +31,18 @@ import torch
 from . import backward, checks
 from .comm import Comm, SimulatedComm
 from .flat import Layout, concat, flatten_buckets, split_buckets, unflatten
+from .scaler import LossScaleState, scale_loss
 
-__all__ = ["Accumulated", "Unreduced", "Reduced", "Segments", "GradPath"]
+__all__ = ["Accumulated", "Unreduced", "Reduced", "Segments", "GradPath", "GradFn"]
 
 
 class Accumulated(NamedTuple):
-    """Gradients summed over ``count`` micro-batches (see ``Engine.accumulate``).
+    """Gradients summed over ``count`` micro-batches (``GradFn``, ``Engine.accumulate``).
 
     ``grads``: this rank's (scaled) grads summed over micro-batches: the FP32 flat ``[N*S]``
-    buffer (stage 1 ``accumulate``, 4P bytes), or this rank's ``[S]`` shard already summed
-    over ranks (stage 2 ``accumulate``, 4P/N bytes; or one micro-batch from
-    ``grad_and_value``). ``count``: 0-d int32 number of micro-batches in the sum."""
+    buffer (stage 1 ``no_sync``/``accumulate``, 4P bytes), or this rank's ``[S]`` shard already
+    summed over ranks (stage 2, 4P/N bytes; or what a ``GradFn`` call or ``sync`` returns).
+    ``count``: 0-d int32 number of micro-batches in the sum."""
 
     grads: torch.Tensor
     count: torch.Tensor
@@ -226,29 +227,119 @@ class GradPath:
                              f"{tuple(acc.grads.shape)}: accumulate either reduced shards or unreduced grads")
         return Accumulated(acc.grads + part, acc.count + count)
 
-    def grad_and_value(self, fn: Callable, params: Any, args: tuple, kwargs: dict, *, has_aux: bool,
-                       overlap: bool) -> tuple[Accumulated, Any]:
-        """``torch.func.grad_and_value(fn)(params, *args, **kwargs)``, with each bucket's
-        reduce-scatter started *inside* backward, as soon as that bucket's grads exist (see
-        ``fzero.backward``): communication overlaps the rest of backward.
-
-        Returns ``(grads, value)``: ``params`` as from ``init``/
-        ``step`` (pytree or flat buffer), ``fn(params, ...)`` returns the (scaled) 0-d loss, or
-        ``(loss, aux)`` with ``has_aux``; ``grads`` is an ``Accumulated`` of this rank's ``[S]``
-        reduced shard for ``step`` (or ``accumulate``, which then adds shards: 4P/N bytes at
-        any stage). ``overlap=False`` waits for each bucket inside backward instead (same
-        results bitwise; for measuring). Eager only; under ``torch.compile`` differentiate
-        the whole step with ``flat_params``."""
+    def grad_and_value(self, fn: Callable, params: Any, scaler_state: LossScaleState, args: tuple, kwargs: dict, *,
+                       has_aux: bool, overlap: bool, acc: Accumulated | None = None,
+                       sync: bool = True) -> tuple[Accumulated, Any]:
+        """``GradFn``'s work (see there): differentiate ``fn(params, *args, **kwargs)`` times the
+        loss scale, each bucket's reduce-scatter started inside backward (``fzero.backward``);
+        ``acc``: the sum so far (``None``: none), added in; ``sync=False`` at stage 1: nothing
+        is communicated, the FP32 ``[N*S]`` sum comes back."""
+        if not isinstance(scaler_state, LossScaleState):
+            raise TypeError("engine.grad_and_value: the grad function takes (params, scaler_state, *args); its second "
+                            "argument must be the LossScaleState from init/step, got "
+                            f"{type(scaler_state).__name__} (fn returns the plain loss: the grad function scales it)")
         if self.check(params, "params"):
             params = unflatten(params, self.layout)
-        comm, layout = self.comm, self.layout
+        self._check_sum(acc)
+        comm, layout, device = self.comm, self.layout, self.device
+        local = not sync and self.stage == 1  # DDP's no_sync: summed here, reduced with the last micro-batch
+        add = acc is not None and self.stage == 1 and sync  # the sum so far joins each bucket before it leaves
+        # the sum leaves in the reduce dtype; kept FP32 where nothing is summed over ranks (the
+        # reduce dtype is then the param dtype), as stage-1 accumulation keeps it
+        wire = torch.float32 if comm.data_parallel == 1 else self.reduce_dtype
+        if local or add:  # FP32 [N*S], as stage-1 accumulation sums
+            total = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
+            buffers = split_buckets(total, layout)
+        else:
+            buffers = [torch.empty(layout.world_size * b.shard, dtype=self.reduce_dtype, device=device)
+                       for b in layout.buckets]
+        before = split_buckets(acc.grads, layout) if add else None
 
-        def start(buf: torch.Tensor, i: int) -> torch.Tensor:  # buf: [N*S_b] grads in reduce_dtype, ours
+        def start(buf: torch.Tensor, i: int) -> torch.Tensor:  # buf: bucket i's [N*S_b] grads, ours
+            if local:
+                return buf
+            if add:
+                buf = buf.add_(before[i]).to(wire)
             return comm.start_mean(buf, i, layout, wait=not overlap)
 
         def finish(x: torch.Tensor, i: int) -> torch.Tensor:
-            return comm.wait_reduced(x, i, layout)
+            return x if local else comm.wait_reduced(x, i, layout)
 
-        shard, value = backward.grad_and_value(fn, params, layout, start, finish, args, kwargs,
-                                               dtype=self.reduce_dtype, has_aux=has_aux)
-        return Accumulated(shard, torch.ones((), dtype=torch.int32, device=self.device)), value
+        def scaled(tree: Any) -> tuple[torch.Tensor, Any]:
+            out = fn(tree, *args, **kwargs)
+            loss = out[0] if has_aux else out
+            if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+                got = type(loss).__name__ + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+                raise TypeError(f"fn must return a 0-d floating loss{' as (loss, aux)' if has_aux else ''}, got {got}")
+            return scale_loss(loss, scaler_state), ((loss.detach(), out[1]) if has_aux else loss.detach())
+
+        parts, value = backward.grad_and_value(scaled, params, layout, buffers, start, finish)
+        one = torch.ones((), dtype=torch.int32, device=device)
+        count = one if acc is None else acc.count + one
+        if local:
+            return Accumulated(total if acc is None else total.add_(acc.grads), count), value
+        shard = concat(parts)
+        if self.stage == 2 and (acc is not None or not sync):  # an FP32 sum of reduced shards
+            shard = shard.float() if acc is None else acc.grads + shard.float()
+        return Accumulated(shard, count), value
+
+    def _check_sum(self, acc: Accumulated | None) -> None:
+        """``acc`` must be ``None`` or a sum of this stage's form: stage 1 sums this rank's
+        unreduced ``[N*S]`` grads (``no_sync``), stage 2 reduced ``[S]`` shards."""
+        if acc is None:
+            return
+        if not isinstance(acc, Accumulated):
+            raise TypeError(f"acc must be None or the Accumulated from no_sync, got {type(acc).__name__}")
+        self._check_accumulated(acc)
+        want = self.layout.padded_numel if self.stage == 1 else self.layout.shard_numel
+        if acc.grads.shape[0] != want:
+            form = "this rank's unreduced grads" if self.stage == 1 else "reduced shards"
+            raise ValueError(f"acc has shape {tuple(acc.grads.shape)}; at stage {self.stage} micro-batches sum {form}, "
+                             f"shape ({want},): pass the acc that no_sync returned")
+
+
+class GradFn:
+    """What ``Engine.grad_and_value(fn, has_aux=, overlap=)`` returns: the grads of the scaled
+    loss, reduced over ranks, for ``step``. ``fn(params, *args, **kwargs)`` returns the plain
+    0-d loss (or ``(loss, aux)`` with ``has_aux``); the grad function multiplies it by the loss
+    scale itself, so that FP16 grads never miss it, and returns it unscaled:
+
+    * ``g(params, scaler_state, *args, **kwargs) -> (grads, value)``: one batch. ``grads`` is an
+      ``Accumulated`` of this rank's reduced ``[S]`` shard, each bucket's reduce-scatter started
+      inside backward as soon as its grads exist (``fzero.backward``); ``value`` the unscaled
+      loss (detached), or ``(loss, aux)``.
+    * Micro-batches, as DDP's ``no_sync``: ``acc, value = g.no_sync(acc, params, scaler_state,
+      *args, **kwargs)`` for all but the last (``acc=None`` starts), then ``grads, value =
+      g.sync(acc, params, scaler_state, *args, **kwargs)`` for the last; ``step`` applies the
+      mean over the micro-batches (do not divide the loss by their count). Stage 1: ``no_sync``
+      communicates nothing, it sums this rank's grads in FP32 (``[N*S]``, 4P bytes); ``sync``
+      adds that sum to each bucket before its reduce-scatter starts, still inside backward.
+      Stage 2: every micro-batch is reduce-scattered in backward and only this rank's FP32
+      ``[S]`` shard of the sum is kept (4P/N bytes).
+
+    ``params``: as from ``init``/``step`` (pytree or flat buffer); the arguments before ``*args``
+    are positional only, so no keyword of ``fn`` can clash. Keep the loss scale fixed over the
+    micro-batches of a step (it changes only in ``step``). ``overlap=False`` waits for each
+    bucket inside backward (same results bitwise; for measuring). Eager only: under
+    ``torch.compile`` differentiate the whole step with ``flat_params``. Raises when no param
+    leaf reaches the loss (``fn`` called a module instead of ``apply``)."""
+
+    def __init__(self, path: Callable[[], GradPath], fn: Callable, *, has_aux: bool, overlap: bool):
+        self._path, self.fn, self.has_aux, self.overlap = path, fn, has_aux, overlap
+
+    def __call__(self, params: Any, scaler_state: LossScaleState, /, *args, **kwargs) -> tuple[Accumulated, Any]:
+        return self._run(None, True, params, scaler_state, args, kwargs)
+
+    def no_sync(self, acc: Accumulated | None, params: Any, scaler_state: LossScaleState, /, *args,
+                **kwargs) -> tuple[Accumulated, Any]:
+        """A micro-batch before the last: ``(acc + its grads, value)``, nothing communicated at stage 1."""
+        return self._run(acc, False, params, scaler_state, args, kwargs)
+
+    def sync(self, acc: Accumulated | None, params: Any, scaler_state: LossScaleState, /, *args,
+             **kwargs) -> tuple[Accumulated, Any]:
+        """The last micro-batch: ``(grads for step, value)``, ``acc`` reduced with its grads."""
+        return self._run(acc, True, params, scaler_state, args, kwargs)
+
+    def _run(self, acc, sync, params, scaler_state, args, kwargs):
+        return self._path().grad_and_value(self.fn, params, scaler_state, args, kwargs, has_aux=self.has_aux,
+                                           overlap=self.overlap, acc=acc, sync=sync)

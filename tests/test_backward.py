@@ -1,14 +1,18 @@
 """engine.grad_and_value: reduce-scatter started inside backward (fzero/backward.py).
 
-Same results as differentiating the pytree and reducing in ``step`` (bitwise), at 1, 2 and 3
-ranks, bucketed or not, FP32 or FP16 reduce; the collectives really start before backward
-ends and are waited only after it; unused leaves count as zero; errors name what is wrong.
+Same results as differentiating the scaled loss and reducing in ``step`` (bitwise), at 1, 2
+and 3 ranks, bucketed or not, FP32 or FP16 reduce; the grad function applies the loss scale
+itself; the collectives really start before backward ends and are waited only after it; unused
+leaves count as zero, a loss no leaf reaches raises; micro-batches before the last communicate
+nothing at stage 1 (``no_sync``) and sum to the big batch's step; errors name what is wrong.
 """
 
+import optree
 import pytest
 import torch
 
 import fzero
+import fzero.comm
 import transforms
 from distributed import run_ranks
 from helpers import RecordingComm
@@ -34,22 +38,23 @@ def batch(rank, step):
     return torch.randn(6, DIMS[0], generator=g), torch.randn(6, DIMS[-1], generator=g)
 
 
-def scaled_loss(params, b, ss):
-    return fzero.scale_loss(mlp.loss({"layers": params["layers"]}, b), ss)
+def plain_loss(params, b):
+    return mlp.loss({"layers": params["layers"]}, b)
 
 
 def run(rank, engine, params, state, ss, *, mode, micro=1):
-    """STEPS steps; ``mode``: "pytree" (torch.func.grad, reduced in step), "overlap" or "sync"."""
-    gv = engine.grad_and_value(scaled_loss, overlap=mode == "overlap")
+    """STEPS steps; ``mode``: "pytree" (torch.func.grad of the scaled loss, reduced in step),
+    "overlap" or "sync"."""
+    gv = engine.grad_and_value(plain_loss, overlap=mode == "overlap")
     for step in range(STEPS):
         acc = None
         for m in range(micro):
             b = batch(rank, 10 * step + m)
             if mode == "pytree":
-                grads = torch.func.grad(scaled_loss)(params, b, ss)
+                grads = torch.func.grad(lambda p: fzero.scale_loss(plain_loss(p, b), ss))(params)
             else:
-                grads, loss = gv(params, b, ss)
-                assert loss.requires_grad is False
+                grads, loss = gv(params, ss, b)
+                assert loss.requires_grad is False and torch.equal(loss, plain_loss(params, b))
             acc = grads if micro == 1 else engine.accumulate(acc, grads)
         params, state, ss, info = engine.step(params, acc, state, ss)
         assert not info["found_inf"]
@@ -99,7 +104,8 @@ def test_ranks_bitwise_equal_to_pytree_grads(world_size):
 
 
 def collective_order(rank, world_size):
-    """Log reduce-scatter starts, waits, and a point late in backward (the first layer's input grad)."""
+    """Log reduce-scatter starts, waits, and a point late in backward (the first layer's input
+    grad), for one batch (overlap on and off) and for the last of two micro-batches."""
     comm = RecordingComm.of(None)
     events = comm.events
     engine, params, state, ss = setup(torch.float32, bucket_bytes=4 * 100, group=comm)  # one bucket per layer
@@ -115,8 +121,15 @@ def collective_order(rank, world_size):
     out = {}
     for overlap in (True, False):
         events.clear()
-        engine.grad_and_value(loss, overlap=overlap)(params, batch(rank, 0))
+        engine.grad_and_value(loss, overlap=overlap)(params, ss, batch(rank, 0))
         out[overlap] = [name.replace("reduce_scatter", "start") for name, _ in events]
+    gv = engine.grad_and_value(loss)
+    events.clear()
+    acc, _ = gv.no_sync(None, params, ss, batch(rank, 1))
+    out["no_sync"] = [name for name, _ in events if name != "late"]
+    events.clear()
+    gv.sync(acc, params, ss, batch(rank, 0))
+    out["sync"] = [name.replace("reduce_scatter", "start") for name, _ in events]
     return out, len(engine.layout.buckets)
 
 
@@ -124,29 +137,67 @@ def collective_order(rank, world_size):
 def test_reduce_scatters_start_in_backward_and_wait_after_it():
     (out, n), _ = run_ranks(collective_order, 2)
     assert n >= 3
-    # overlap: buckets of the later layers start before backward reaches layer 0; nothing waits
-    # until backward is done
-    ev = out[True]
-    assert ev.count("start") == n and ev.count("wait") == n
-    assert ev.index("start") < ev.index("late") < max(i for i, e in enumerate(ev) if e == "start")
-    assert "wait" not in ev[: ev.index("late") + 1]
+    # overlap, and the last micro-batch after no_sync: buckets of the later layers start before
+    # backward reaches layer 0; nothing waits until backward is done
+    assert out["no_sync"] == []
+    for ev in (out[True], out["sync"]):
+        assert ev.count("start") == n and ev.count("wait") == n
+        assert ev.index("start") < ev.index("late") < max(i for i, e in enumerate(ev) if e == "start")
+        assert "wait" not in ev[: ev.index("late") + 1]
     # overlap=False: each start is waited for at once, inside backward
     ev = out[False]
     assert [e for e in ev if e != "late"] == ["start", "wait"] * n and ev.index("wait") < ev.index("late")
 
 
+def test_the_grad_function_applies_the_loss_scale_and_returns_the_loss_unscaled():
+    """FP16 with the default dynamic scale (2**16): ``fn`` returns the plain loss and the grads
+    still come out scaled, so ``step`` unscales them to the true norm (without the scale they
+    would be 2**16 times too small, and clipping would never trigger)."""
+    p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float16)
+    params, state, ss = engine.init(p0)
+    assert ss.scale.item() == 2.0**16
+    b = batch(0, 0)
+    grads, loss = engine.grad_and_value(mlp.loss)(params, ss, b)
+    assert torch.equal(loss, mlp.loss(params, b)) and not loss.requires_grad
+    ref = torch.func.grad(lambda p: fzero.scale_loss(mlp.loss(p, b), ss))(params)
+    assert torch.equal(grads.grads, fzero.flatten(ref, engine.layout))
+    true_norm = torch.linalg.vector_norm(fzero.flatten(torch.func.grad(mlp.loss)(p0, b), engine.layout))
+    info = engine.step(params, grads, state, ss)[3]
+    torch.testing.assert_close(info["grad_norm"], true_norm, rtol=2e-3, atol=0)
+    # the batch where the scaler state belongs (a loss that scaled itself took it last): named
+    with pytest.raises(TypeError, match="second argument must be the LossScaleState from init/step, got tuple"):
+        engine.grad_and_value(mlp.loss)(params, b)
+
+
+def test_a_loss_that_no_param_reaches_raises_and_some_unused_leaves_count_as_zero():
+    engine, params, state, ss = setup(torch.float32)
+    module_weights = optree.tree_map(lambda w: w.requires_grad_(), mlp.init(torch.Generator().manual_seed(1), DIMS))
+    no_param = f"none of the {len(engine.layout.shapes)} param leaves reached the loss.*instead of `apply`"
+    for fn in (lambda p, b: mlp.loss(module_weights, b), lambda p, b: torch.tensor(1.0)):
+        gv = engine.grad_and_value(fn)
+        with pytest.raises(ValueError, match=no_param):
+            gv(params, ss, batch(0, 0))
+        with pytest.raises(ValueError, match=no_param):
+            gv.no_sync(None, params, ss, batch(0, 0))
+    engine, params, state, ss = setup(torch.float32, unused=True)
+    grads, _ = engine.grad_and_value(plain_loss)(params, ss, batch(0, 0))
+    ref = torch.func.grad(plain_loss)(params, batch(0, 0))
+    assert torch.equal(grads.grads, fzero.flatten(ref, engine.layout)) and not ref["unused"].any()
+
+
 def test_bad_loss_and_mixed_accumulation_raise():
     engine, params, state, ss = setup(torch.float32)
     with pytest.raises(TypeError, match="0-d floating loss"):
-        engine.grad_and_value(lambda p, b: mlp.apply(p, b[0]))(params, batch(0, 0))
-    (loss, aux) = engine.grad_and_value(lambda p, b: (mlp.loss(p, b), "aux"), has_aux=True)(params, batch(0, 0))[1]
+        engine.grad_and_value(lambda p, b: mlp.apply(p, b[0]))(params, ss, batch(0, 0))
+    (loss, aux) = engine.grad_and_value(lambda p, b: (mlp.loss(p, b), "aux"), has_aux=True)(params, ss, batch(0, 0))[1]
     assert aux == "aux" and loss.ndim == 0
     # rank 0 of 2 (simulated): a stage-1 sum of unreduced grads cannot take a reduced shard
     p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
     engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, simulate=(0, 2))
     params, state, ss = engine.init(p0)
     acc = engine.accumulate(None, torch.func.grad(mlp.loss)(params, batch(0, 0)))
-    shard, _ = engine.grad_and_value(mlp.loss)(params, batch(0, 0))
+    shard, _ = engine.grad_and_value(mlp.loss)(params, ss, batch(0, 0))
     assert shard.grads.shape == (engine.layout.shard_numel,) != acc.grads.shape
     with pytest.raises(ValueError, match="accumulate either reduced shards or unreduced grads"):
         engine.accumulate(acc, shard)
@@ -173,7 +224,7 @@ def unused_on_one_rank(rank, world_size, b_rows):
         for step in range(STEPS):
             gen = torch.Generator().manual_seed(10 * step + rank)
             xy = torch.randn(6, 8, generator=gen), torch.randn(6, b_rows, generator=gen)
-            grads = torch.func.grad(loss)(params, xy) if mode == "pytree" else gv(params, xy)[0]
+            grads = torch.func.grad(loss)(params, xy) if mode == "pytree" else gv(params, ss, xy)[0]
             params, state, ss, info = engine.step(params, grads, state, ss)
         results[mode] = (fzero.flatten(params, engine.layout), state.master,
                          [b.leaves for b in engine.layout.buckets], [b.shard for b in engine.layout.buckets])
@@ -194,3 +245,87 @@ def test_a_leaf_unused_on_one_rank_only_reduces_like_zero_grads(b_rows):
         assert torch.equal(res["overlap"][0], res["pytree"][0])
         assert torch.equal(res["overlap"][1], res["pytree"][1])
     assert torch.equal(results[0]["overlap"][0], results[1]["overlap"][0])
+
+
+MICRO, ROWS = 3, 4  # micro-batches per step, rows per micro-batch
+
+
+def micro_batches_or_one_big_batch(rank, world_size, stage):
+    """STEPS steps on the same rows per rank: one batch of MICRO * ROWS rows, or MICRO
+    micro-batches (``no_sync`` then ``sync``); the collectives each grad call issues."""
+    calls = []
+
+    def counting(name, fn):
+        def call(x, *args):
+            calls.append(name)
+            return fn(x, *args)
+        return call
+
+    comm = fzero.comm.Comm.of(None, collectives=fzero.comm.FUNCTIONAL.wrapped(counting))
+    p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
+    out = {}
+    for mode in ("big", "micro"):
+        engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=torch.float32,
+                             bucket_bytes=256, stage=stage, group=comm)
+        params, state, ss = engine.init(p0)
+        gv = engine.grad_and_value(mlp.loss)
+        issued, losses, norms = [], [], []
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(MICRO * ROWS, DIMS[0], generator=g), torch.randn(MICRO * ROWS, DIMS[-1], generator=g)
+            if mode == "big":
+                calls.clear()
+                grads, loss = gv(params, ss, (x, y))
+                issued.append(list(calls))
+            else:
+                acc, loss = None, 0.0
+                for m in range(MICRO):
+                    part = x[m * ROWS : (m + 1) * ROWS], y[m * ROWS : (m + 1) * ROWS]
+                    calls.clear()
+                    if m < MICRO - 1:
+                        acc, value = gv.no_sync(acc, params, ss, part)
+                    else:
+                        grads, value = gv.sync(acc, params, ss, part)
+                    issued.append(list(calls))
+                    loss = loss + value / MICRO
+            losses.append(loss)
+            params, state, ss, info = engine.step(params, grads, state, ss)
+            norms.append(info["grad_norm"])
+        out[mode] = {"params": fzero.flatten(params, engine.layout), "master": state.master, "issued": issued,
+                     "loss": torch.stack(losses), "norm": torch.stack(norms)}
+    out["buckets"] = len(engine.layout.buckets)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [1, 2])
+def test_micro_batches_step_like_one_big_batch_and_stage_1_communicates_only_the_last(stage):
+    """The step takes the mean over micro-batches (the loss is not divided by their count); at
+    stage 1 the micro-batches before the last issue no collective (DDP's ``no_sync``) and the
+    last issues one reduce-scatter per bucket; stage 2 reduces every micro-batch."""
+    for r in run_ranks(micro_batches_or_one_big_batch, 2, stage):
+        big, micro, n = r["big"], r["micro"], r["buckets"]
+        assert n > 1
+        for key in ("params", "master", "loss", "norm"):
+            torch.testing.assert_close(micro[key], big[key], rtol=1e-6, atol=1e-6)
+        assert big["issued"] == [["reduce_scatter"] * n] * STEPS
+        last = ["reduce_scatter"] * n
+        assert micro["issued"] == ([[] if stage == 1 else last] * (MICRO - 1) + [last]) * STEPS
+
+
+def test_micro_batch_sums_of_another_form_raise():
+    """At stage 1 a micro-batch sum is this rank's unreduced FP32 ``[N*S]`` grads: a reduced
+    shard (what a grad call returns) is another form, and raises instead of being added."""
+    p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, simulate=(0, 2))  # rank 0 of 2
+    params, state, ss = engine.init(p0)
+    gv = engine.grad_and_value(mlp.loss)
+    acc, _ = gv.no_sync(None, params, ss, batch(0, 0))
+    assert acc.grads.shape == (engine.layout.padded_numel,) and acc.grads.dtype == torch.float32
+    shard, _ = gv(params, ss, batch(0, 1))
+    with pytest.raises(ValueError, match=r"at stage 1 micro-batches sum this rank's unreduced grads.*no_sync"):
+        gv.sync(shard, params, ss, batch(0, 1))
+    with pytest.raises(TypeError, match="acc must be None or the Accumulated from no_sync, got tuple"):
+        gv.no_sync((acc.grads, acc.count), params, ss, batch(0, 1))
+    grads, _ = gv.sync(acc, params, ss, batch(0, 1))
+    assert grads.grads.shape == (engine.layout.shard_numel,) and grads.count.item() == 2

@@ -134,7 +134,7 @@ def test_params_from_a_compiled_pure_step_are_still_one_flat_buffer():
     assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(fzero.unflatten(flat, engine.layout)),
                                                    optree.tree_leaves(params)))
     loss = lambda p: sum((x.float() ** 2).sum() for x in optree.tree_leaves(p))
-    shard, value = engine.grad_and_value(loss)(params)
+    shard, value = engine.grad_and_value(loss)(params, ss)
     torch.testing.assert_close(shard.grads, fzero.flatten(torch.func.grad(loss)(params), engine.layout))
 
 
@@ -177,7 +177,7 @@ def test_compiled_step_takes_reduced_shards_after_another_layout():
         engine = fzero.zero1(tx(), param_dtype=torch.float16, loss_scale=None)
         params, state, ss = engine.init({"a": torch.randn(n), "b": torch.randn(3, 5)})
         loss = lambda p: sum((x.float() ** 2).sum() for x in optree.tree_leaves(p))
-        grads, _ = engine.grad_and_value(loss)(params)
+        grads, _ = engine.grad_and_value(loss)(params, ss)
         compiled = torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
         eager = engine.step(params, grads, state, ss)
         torch.testing.assert_close(compiled[1].master, eager[1].master, rtol=1e-6, atol=1e-7)

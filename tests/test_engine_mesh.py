@@ -108,7 +108,7 @@ def count_collectives(rank, world_size, replicas, shards):
     step_counts = comm.counts()
     comm.events.clear()
     loss = lambda p, x: sum((leaf * x).square().sum() for leaf in optree.tree_leaves(p))
-    grads, _ = engine.grad_and_value(loss)(params, torch.tensor(1.0 + rank))
+    grads, _ = engine.grad_and_value(loss)(params, ss, torch.tensor(1.0 + rank))
     order = [(name, group) for name, group, _ in comm.events]
     errors = []
     try:
@@ -192,7 +192,7 @@ def train_steps(engine, carry, steps, rank, ranks):
     params, state, ss = carry
     losses = []
     for step in steps:
-        grads, loss = engine.grad_and_value(loss_fn)(params, batch(step, rank, ranks))
+        grads, loss = engine.grad_and_value(loss_fn)(params, ss, batch(step, rank, ranks))
         params, state, ss, _ = engine.step(params, grads, state, ss)
         losses.append(loss)
     return (params, state, ss), torch.stack(losses)

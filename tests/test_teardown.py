@@ -22,10 +22,11 @@ def shutdown_after_training(rank, world_size, destroy_only):
     p0 = odd_params()
     engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float16, bucket_bytes=40)
     params, state, ss = engine.init(p0)
-    loss = lambda p, ss: fzero.scale_loss(sum((x.float() ** 2).sum() for x in optree.tree_leaves(p)), ss)
+    loss = lambda p: sum((x.float() ** 2).sum() for x in optree.tree_leaves(p))
     grad_fn = engine.grad_and_value(loss)
     for step in range(2):  # both grad paths: torch.func and the overlapped one
-        grads = torch.func.grad(loss)(params, ss) if step == 0 else grad_fn(params, ss)[0]
+        scaled = lambda p: fzero.scale_loss(loss(p), ss)
+        grads = torch.func.grad(scaled)(params) if step == 0 else grad_fn(params, ss)[0]
         params, state, ss, info = engine.step(params, grads, state, ss)
     before = gloo_threads()
     if destroy_only:  # what a script without fzero.shutdown does: the engine is still alive
