@@ -3,22 +3,22 @@
     python examples/train_module.py                                   # one process
     torchrun --standalone --nproc_per_node=2 examples/train_module.py # 2 data-parallel ranks
 
-The module stays an ``nn.Module``; ``models.module.functional(net)`` gives its parameters as a
-pytree and ``apply(params, x) == net(x)``. fzero holds the params (FP32 master and moments, 1/N
-per rank), ``engine.grad_and_value`` differentiates ``apply`` and ``engine.step`` updates.
+``fzero.module.functional(net)`` gives the module's params as a pytree, its buffers, and a pure
+``apply(params, buffers, x) -> (logits, new_buffers)`` that casts ``x`` to the params' dtype.
+fzero holds the params (FP32 master and moments, 1/N per rank), ``engine.grad_and_value``
+differentiates the loss and ``engine.step`` updates.
 
 **Buffers** (BatchNorm's running mean and variance, its batch counter) are not parameters: no
-grad, no optimizer state. A forward in training mode updates them *in place*, from this rank's
-rows of the batch. They are kept identical across ranks the way DDP keeps them
-(``broadcast_buffers=True``): before each forward, rank 0's buffers are broadcast to every rank
-(one collective per buffer dtype), and once more after the last step, so the trained module is the
-same on every rank. So the module trained here equals the same module trained with
-DDP and ``torch.optim.AdamW``, buffers included (``tests/test_train_module.py``). Evaluation
-uses the running statistics (``net.eval()``).
+grad, no optimizer state. A forward in training mode updates them from this rank's rows of the
+batch; ``apply`` returns them, kept in FP32 as ``torch.autocast`` keeps them. They agree across
+ranks the way DDP keeps them (``broadcast_buffers=True``): before each forward every rank takes
+rank 0's (``fzero.module.broadcast_buffers``), and once more after the last step, so the trained
+module is the same on every rank. The module trained here equals the same module trained with
+DDP and ``torch.optim.AdamW`` (``tests/test_train_module.py``; in BF16 against autocast:
+``tests/test_module.py``).
 
-At the end ``fzero.checkpoint.export_full`` writes the FP32 master weights, which load into the
-module with ``load_state_dict(..., strict=False)`` (the buffers are the module's own: save them
-with ``net.state_dict()`` if you need them).
+At the end ``load_into`` writes the FP32 master weights and the buffers into ``net``: evaluate
+it with ``net.eval()``, save it with ``torch.save(net.state_dict(), ...)`` (``--out``).
 
 The data ship with the script: 16x16 single-channel images of 4 classes (a bar at one of four
 orientations, plus noise), made from a fixed seed.
@@ -32,16 +32,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fzero  # noqa: E402
-import fzero.checkpoint  # noqa: E402
 import transforms  # noqa: E402
 from flags import DTYPES, UsageError, check_batch_size  # noqa: E402
-from models.module import functional  # noqa: E402
 from ranks import exit_usage, init_distributed, launched, rows_of  # noqa: E402
 
 CLASSES, SIDE = 4, 16
@@ -71,23 +68,6 @@ def batch(step: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return images[:, None], labels
 
 
-def sync_buffers(buffers: dict[str, torch.Tensor]) -> None:
-    """Rank 0's buffers on every rank, in place (DDP's ``broadcast_buffers``): one broadcast of
-    all of them, packed by dtype."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for b in buffers.values():
-        by_dtype.setdefault(b.dtype, []).append(b)
-    for same in by_dtype.values():
-        flat = torch.cat([b.reshape(-1) for b in same])
-        dist.broadcast(flat, src=0)
-        pos = 0
-        for b in same:
-            b.copy_(flat[pos : pos + b.numel()].view_as(b))
-            pos += b.numel()
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps: %(default)s")
@@ -96,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.01, help="decoupled, every parameter: %(default)s")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="param dtype (fp16: loss scaling): %(default)s")
     p.add_argument("--seed", type=int, default=0, help="%(default)s")
-    p.add_argument("--out", metavar="DIR", help="write the FP32 master weights here (export_full), at the end")
+    p.add_argument("--out", metavar="DIR", help="save the trained net's state_dict here (net.pt), at the end")
     p.add_argument("--log-every", type=int, default=20, help="%(default)s")
     args = p.parse_args(argv)
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--log-every", args.log_every)):
@@ -108,49 +88,41 @@ def parse_args(argv=None):
 
 
 def train(args, net: nn.Module, rank: int, world: int):
-    """Train ``net`` (its buffers in place); return ``(engine, params, state, losses)``."""
-    dtype = DTYPES[args.dtype]
-    params_fp32, apply = functional(net)
-    buffers = dict(net.named_buffers())  # the tensors apply uses: updated in place by each forward
+    """Train ``net``, then write the FP32 master weights and the buffers into it; return
+    ``(engine, params, state, losses)``."""
+    fm = fzero.module.functional(net)
     tx = transforms.adamw(lr=args.lr, weight_decay=args.weight_decay)
-    engine = fzero.zero1(tx, param_dtype=dtype, loss_scale="auto", donate=True)
-    params, state, scaler_state = engine.init(params_fp32)
-    # The module runs in the param dtype, its floating buffers too (torch's batch_norm takes
-    # running stats in the input's dtype); they are updated in place, so cast them in place.
-    for b in buffers.values():
-        if b.is_floating_point():
-            b.data = b.data.to(dtype)
+    engine = fzero.zero1(tx, param_dtype=DTYPES[args.dtype], loss_scale="auto", donate=True)
+    params, state, scaler_state = engine.init(fm.params)
+    buffers = fm.buffers
     mine = rows_of(rank, world, args.batch_size)
 
-    def loss_fn(params, images, labels):
-        logits = apply(params, images.to(dtype))
-        return F.cross_entropy(logits.float(), labels)
+    def loss_fn(params, buffers, images, labels):
+        logits, buffers = fm.apply(params, buffers, images)
+        return F.cross_entropy(logits.float(), labels), buffers
 
-    grad_fn = engine.grad_and_value(loss_fn)
+    grad_fn = engine.grad_and_value(loss_fn, has_aux=True)  # scales the loss itself; returns it unscaled
     net.train()
     losses = []
     for step in range(1, args.steps + 1):
         images, labels = batch(step, args.batch_size, args.seed)
-        sync_buffers(buffers)  # rank 0's running stats, as DDP does before each forward
-        grads, loss = grad_fn(params, scaler_state, images[mine], labels[mine])
+        buffers = fzero.module.broadcast_buffers(engine, buffers)  # rank 0's, as DDP before each forward
+        grads, (loss, buffers) = grad_fn(params, scaler_state, buffers, images[mine], labels[mine])
         params, state, scaler_state, info = engine.step(params, grads, state, scaler_state)
         losses.append(loss)
         if step % args.log_every == 0 and rank == 0:
             recent = torch.stack(losses[-args.log_every:]).mean().item()
             print(f"step {step}/{args.steps} | loss {recent:.4f} | scale {info['loss_scale'].item():g}", flush=True)
-    sync_buffers(buffers)  # the last forward updated each rank's own: leave them all as rank 0's
+    buffers = fzero.module.broadcast_buffers(engine, buffers)  # the last forward updated each rank's own
+    fm.load_into(params, buffers, engine=engine, state=state)
     return engine, params, state, torch.stack(losses)
 
 
 @torch.no_grad()
-def accuracy(net: nn.Module, params, apply_dtype: torch.dtype, seed: int) -> float:
-    """Accuracy on 512 fresh images, in eval mode (running statistics)."""
-    _, apply = functional(net)
+def accuracy(net: nn.Module, seed: int) -> float:
+    """Accuracy of the trained ``net`` on 512 fresh images, in eval mode (running statistics)."""
     images, labels = batch(10**6, 512, seed)
-    net.eval()
-    correct = (apply(params, images.to(apply_dtype)).argmax(-1) == labels).float().mean().item()
-    net.train()
-    return correct
+    return (net.eval()(images).argmax(-1) == labels).float().mean().item()
 
 
 def main(argv=None):
@@ -165,15 +137,15 @@ def main(argv=None):
     net = make_net()
     t0 = time.perf_counter()
     engine, params, state, losses = train(args, net, rank, world)
-    acc = accuracy(net, params, DTYPES[args.dtype], args.seed)
+    acc = accuracy(net, args.seed)
     if rank == 0:
         n = sum(p.numel() for p in params.values())
         print(f"\n  {n:,} params ({args.dtype}), {world} rank(s): loss {losses[:10].mean():.4f} -> "
               f"{losses[-10:].mean():.4f}, accuracy {acc:.3f} on fresh images, {time.perf_counter() - t0:.1f} s")
-    if args.out:
-        fzero.checkpoint.export_full(os.path.join(args.out, "master.safetensors"), state, engine)
-        if rank == 0:
-            print(f"  FP32 master weights: {os.path.join(args.out, 'master.safetensors')}")
+    if args.out and rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(net.state_dict(), os.path.join(args.out, "net.pt"))
+        print(f"  the trained net (FP32 master weights, buffers): {os.path.join(args.out, 'net.pt')}")
     fzero.shutdown()
 
 

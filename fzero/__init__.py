@@ -1,5 +1,5 @@
 """fzero: functional mixed-precision AdamW with ZeRO-1 optimizer-state sharding."""
-from . import checkpoint
+from . import checkpoint, module
 from .comm import CollectiveError, shutdown
 from .diagnostics import nonfinite_leaves
 from .engine import Accumulated, Engine, ZeroState
@@ -20,6 +20,7 @@ __all__ = [
     "ZeroState",
     "flatten",
     "make_layout",
+    "module",
     "nonfinite_leaves",
     "scale_loss",
     "shard_of",

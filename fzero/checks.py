@@ -23,6 +23,7 @@ __all__ = [
     "check_flat",
     "check_state",
     "first_difference",
+    "shared_memory",
 ]
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,17 +103,27 @@ def check_params(params: Any) -> None:
     _check_untied(paths, leaves)
 
 
-def _check_untied(paths: list[str], leaves: list[torch.Tensor]) -> None:
-    """No two leaves may share memory: each leaf gets its own place in the flat buffer and its
-    own master, so tied weights (one tensor under two paths) would silently train apart."""
+def shared_memory(leaves: list[torch.Tensor]) -> tuple[int, int] | None:
+    """The indices of two of ``leaves`` whose memory overlaps (one tensor twice, or views of
+    one storage), or ``None``."""
     spans = sorted((x.untyped_storage().data_ptr() + x.storage_offset() * x.element_size(), i) for i, x in enumerate(leaves)
                    if x.numel() > 0)
     for (lo, i), (next_lo, j) in zip(spans, spans[1:]):
         x = leaves[i]
         if next_lo < lo + x.numel() * x.element_size() and x.untyped_storage().data_ptr() == leaves[j].untyped_storage().data_ptr():
-            raise ValueError(f"params leaves {paths[i]!r} and {paths[j]!r} share memory (tied weights?): fzero gives "
-                             "each leaf its own master, so they would train apart. Keep one leaf and use it in both "
-                             "places in the model's apply.")
+            return i, j
+    return None
+
+
+def _check_untied(paths: list[str], leaves: list[torch.Tensor]) -> None:
+    """No two leaves may share memory: each leaf gets its own place in the flat buffer and its
+    own master, so tied weights (one tensor under two paths) would silently train apart."""
+    shared = shared_memory(leaves)
+    if shared is not None:
+        i, j = shared
+        raise ValueError(f"params leaves {paths[i]!r} and {paths[j]!r} share memory (tied weights?): fzero gives "
+                         "each leaf its own master, so they would train apart. Keep one leaf and use it in both "
+                         "places in the model's apply.")
 
 
 def first_difference(got: list[tuple[str, str]], want: list[tuple[str, str]]) -> str | None:

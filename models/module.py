@@ -1,18 +1,19 @@
-"""Adapter from an ``nn.Module`` to the ``(params, apply)`` functional form."""
+"""The ``(params, apply)`` form of an ``nn.Module``, for code that wants only a function of the
+params: a thin wrapper over ``fzero.module`` (which also returns the buffers and their updates)."""
 
-import torch
+import fzero.module
 
 
 def functional(module):
-    """Return ``(params, apply)`` with ``apply(params, *args, **kwargs) == module(*args, **kwargs)``.
+    """``(params, apply)`` with ``apply(params, *args, **kwargs) == module(*args, **kwargs)``.
 
-    ``params`` is a flat ``{qualified_name: Tensor}`` dict of detached parameters (tied
-    parameters appear once). Buffers are captured from the module and not differentiated.
-    """
-    params = {name: p.detach() for name, p in module.named_parameters()}
-    buffers = dict(module.named_buffers())
+    ``fzero.module.functional(module)``'s params (detached, a tied parameter once) and its
+    ``apply`` on the module's current buffers, floating inputs cast to the params' dtype. The
+    buffers' updates (BatchNorm's running statistics in training mode) are dropped: to keep
+    them, use ``fzero.module`` directly."""
+    fm = fzero.module.functional(module)
 
     def apply(params, *args, **kwargs):
-        return torch.func.functional_call(module, (params, buffers), args, kwargs)
+        return fm.apply(params, dict(module.named_buffers()), *args, **kwargs)[0]
 
-    return params, apply
+    return fm.params, apply

@@ -6,6 +6,7 @@ group)::
     save(path, params, state, scaler_state, engine, *, extra=None) -> None
     load(path, engine, *, verify=True, hyperparams="engine") -> (params, state, scaler_state, extra)
     export_full(path, params_or_state, engine) -> None
+    full_master(params, state, engine) -> pytree     # the whole FP32 master, in memory on every rank
     read_manifest(path) -> dict                      # any process, no group needed
     recover(path, snapshot=None) -> str              # one process: re-point a lost/damaged pointer
 
@@ -64,12 +65,13 @@ from ..scaler import LossScaleState
 from . import commit, lock, manifest, reshard
 from .collective import agree, ready
 from .commit import need_safetensors, no_hook
-from .export import EXPORT_FORMAT, export_full
+from .export import EXPORT_FORMAT, export_full, full_master
 from .manifest import FORMAT
 from .snapshot import open_snapshot, read_snapshot_manifest, verify_snapshot
 from .strict_json import VERSION, CheckpointError
 
-__all__ = ["CheckpointError", "save", "load", "export_full", "read_manifest", "recover", "FORMAT", "VERSION"]
+__all__ = ["CheckpointError", "save", "load", "export_full", "full_master", "read_manifest", "recover", "FORMAT",
+           "VERSION"]
 
 HYPERPARAMS_FROM = ("engine", "checkpoint")
 

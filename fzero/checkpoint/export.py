@@ -1,5 +1,6 @@
 """``export_full``: one consolidated safetensors file of the params or the FP32 master, keyed by
-leaf path (no shards, no manifest: for other tools and for ``nn.Module.load_state_dict``)."""
+leaf path (no shards, no manifest: for other tools and for ``nn.Module.load_state_dict``);
+``full_master``: the same consolidated FP32 master, in memory on every rank."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ from . import commit
 from .collective import agree, ready
 from .strict_json import CheckpointError, dtype_name
 
-__all__ = ["EXPORT_FORMAT", "export_full"]
+__all__ = ["EXPORT_FORMAT", "export_full", "full_master"]
 
 EXPORT_FORMAT = "fzero-export"  # the file's safetensors metadata "format"
 
@@ -23,6 +24,23 @@ def _check_params(params, layout: Layout) -> None:
     """``params`` have the tree structure the engine was initialized with."""
     if optree.tree_structure(params) != layout.treespec:
         raise CheckpointError("params do not have the structure the engine was initialized with")
+
+
+def full_master(params, state: ZeroState, engine: Engine):
+    """The whole FP32 master, a pytree like ``params`` (keyed by the same paths), on every rank:
+    this rank's shard (``engine.with_fp32_master``: rebuilt exactly with ``master="remainder"``)
+    all-gathered with every other rank's. Collective: call on every rank. ``params``: the
+    params from ``init``/``step`` of the same step as ``state``."""
+    ready(engine)
+    engine.comm.arrive("checkpoint.full_master", timeout=engine.call_timeout)
+    return _gathered(engine.with_fp32_master(params, state, where="checkpoint.full_master").master, engine)
+
+
+def _gathered(master: torch.Tensor, engine: Engine):
+    """Every rank's ``[S]`` FP32 master shard gathered, as a pytree like the params."""
+    with torch.no_grad():
+        flat = engine.comm.all_gather(master.detach().to(engine.device), engine.layout)
+    return unflatten(flat, engine.layout)
 
 
 def export_full(path, params_or_state, engine: Engine) -> None:
@@ -45,9 +63,7 @@ def export_full(path, params_or_state, engine: Engine) -> None:
                                   "export_full(path, engine.with_fp32_master(params, state), engine)")
         if master.shape != (layout.shard_numel,):
             raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
-        with torch.no_grad():
-            flat = comm.all_gather(master.detach().to(engine.device), layout)
-        leaves = optree.tree_leaves(unflatten(flat, layout))
+        leaves = optree.tree_leaves(_gathered(master, engine))
         kind = "master"
     else:
         _check_params(params_or_state, layout)

@@ -1,7 +1,7 @@
 """The interface every communicator shares, and what it builds on its primitives.
 
 A communicator provides ``reduce_scatter_bucket``, ``all_gather_bucket``, ``all_reduce_sum``,
-``all_gather_object``, ``wait``, ``arrive``, ``check_unchanged`` and ``time_buckets``; this base
+``broadcast`` (rank 0's tensor of the whole data-parallel world), ``all_gather_object``, ``wait``, ``arrive``, ``check_unchanged`` and ``time_buckets``; this base
 adds the averaging reduce-scatter (``reduce_scatter_mean``, ``start_mean``: FSDP's pre/post split
 of the 1/N hidden behind ``mean_factor``), the gather of a whole shard, and the cross-rank
 agreement check. ``rank`` and ``world_size`` are always the shard group's: what the layout is

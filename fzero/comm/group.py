@@ -143,6 +143,14 @@ class Comm(Communicator):
         what = lambda: "all_reduce of the grad norm and found_inf"
         return self.issue(what, self.collectives.all_reduce, x, "sum", self.group)
 
+    def broadcast(self, x: torch.Tensor, what: str = "a tensor") -> torch.Tensor:
+        """Rank 0's ``x`` on every rank (the group's rank 0; with replicas, see ``HybridComm``):
+        a new tensor, ``x`` not modified; ``x`` itself in a world of one. ``what`` names the
+        tensor in a failure's message."""
+        if self.world_size == 1:
+            return x
+        return self.issue(lambda: f"broadcast of {what} from rank 0", self.collectives.broadcast, x, 0, self.group)
+
     def all_gather_object(self, obj) -> list:
         """Off the hot path only (init, errors): pickles ``obj`` to every rank."""
         if self.world_size == 1:

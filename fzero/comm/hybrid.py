@@ -79,11 +79,18 @@ class HybridComm(Comm):
         return self._sum_replicas(part, lambda: f"all_reduce of grads over replicas (bucket {i} of {len(layout.buckets)})")
 
     def replicate_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        return self._from_first_replica(shard, "the initial shard")
+
+    def broadcast(self, x: torch.Tensor, what: str = "a tensor") -> torch.Tensor:
+        """Rank 0 of the whole data-parallel world's ``x`` (replica 0, shard 0) on every rank:
+        from shard 0 inside each shard group, then from replica 0 over the replicate group."""
+        return self._from_first_replica(super().broadcast(x, what), what)
+
+    def _from_first_replica(self, x: torch.Tensor, what: str) -> torch.Tensor:
         if self.replicas == 1:
-            return shard
+            return x
         # src is the rank within the replicate group (a ProcessGroup's root rank)
-        what = lambda: "broadcast of the initial shard over replicas"
-        return self.issue(what, self.collectives.broadcast, shard, 0, self.replicate)
+        return self.issue(lambda: f"broadcast of {what} over replicas", self.collectives.broadcast, x, 0, self.replicate)
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, replica-major: ``[replica * S + shard]``."""
