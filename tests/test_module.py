@@ -63,10 +63,9 @@ def train_fzero(net, kind, rank, world):
     params, state, ss = engine.init(fm.params)
     buffers = fm.buffers
 
-    def loss_fn(params, buffers, x, y, ss):
+    def loss_fn(params, buffers, x, y):
         out, buffers = fm.apply(params, buffers, x)
-        loss = F.cross_entropy(out.float(), y)
-        return fzero.scale_loss(loss, ss), (loss.detach(), buffers)
+        return F.cross_entropy(out.float(), y), buffers
 
     grad_fn = engine.grad_and_value(loss_fn, has_aux=True)
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
@@ -75,7 +74,7 @@ def train_fzero(net, kind, rank, world):
     for step in range(STEPS):
         x, y = data(kind, step)
         buffers = fzero.module.broadcast_buffers(engine, buffers)
-        grads, (_, (loss, buffers)) = grad_fn(params, buffers, x[lo:hi], y[lo:hi], ss)
+        grads, (loss, buffers) = grad_fn(params, ss, buffers, x[lo:hi], y[lo:hi])
         params, state, ss, _ = engine.step(params, grads, state, ss)
         losses.append(loss)
     fm.load_into(params, fzero.module.broadcast_buffers(engine, buffers), engine=engine, state=state)
@@ -286,10 +285,13 @@ def test_load_into_writes_the_fp32_master_and_the_buffers_and_the_net_saves(tmp_
     engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=BF16, master=master)
     params, state, ss = engine.init(fm.params)
     buffers = fm.buffers
-    grad_fn = engine.grad_and_value(lambda p, b, x, y: (F.cross_entropy(fm.apply(p, b, x)[0].float(), y),
-                                                        fm.apply(p, b, x)[1]), has_aux=True)
+    def loss_fn(p, b, x, y):
+        out, b = fm.apply(p, b, x)
+        return F.cross_entropy(out.float(), y), b
+
+    grad_fn = engine.grad_and_value(loss_fn, has_aux=True)
     for step in range(3):
-        grads, (_, buffers) = grad_fn(params, buffers, *data("cnn", step))
+        grads, (_, buffers) = grad_fn(params, ss, buffers, *data("cnn", step))
         params, state, ss, _ = engine.step(params, grads, state, ss)
     master_values = fzero.checkpoint.full_master(params, state, engine)
     assert fm.load_into(params, buffers, engine=engine, state=state) is net
