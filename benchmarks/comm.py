@@ -40,11 +40,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 import fzero.comm  # noqa: E402
-import transforms  # noqa: E402
+from fzero import transforms  # noqa: E402
 from common import median_time, table  # noqa: E402
 from e2e import ModuleGPT  # noqa: E402
-from models import gpt  # noqa: E402
-from models.module import functional  # noqa: E402
+from fzero.models import gpt  # noqa: E402
+from fzero.models.module import functional  # noqa: E402
 
 
 def make_model(name):

@@ -37,9 +37,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # the main job's modules: recipe.py
 import fzero  # noqa: E402
-import transforms  # noqa: E402
+from fzero import transforms  # noqa: E402
 from common import hardware, sample_times, table  # noqa: E402
-from models import gpt  # noqa: E402
+from fzero.models import gpt  # noqa: E402
 from recipe import make_train_step  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -32,8 +32,8 @@ def child(ending: str) -> None:
     import torch.distributed as dist
 
     import fzero  # before init_process_group, as the README shows
-    import transforms
-    from models import mlp
+    from fzero import transforms
+    from fzero.models import mlp
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
-import transforms  # noqa: E402
+from fzero import transforms  # noqa: E402
 from common import hardware, median_time, paired_ratio, sync, table  # noqa: E402
 from traffic import Traffic, parse_sizes  # noqa: E402
 

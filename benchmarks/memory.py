@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
-import transforms  # noqa: E402
+from fzero import transforms  # noqa: E402
 from common import hardware, median_time, table  # noqa: E402
 
 GB = 2**30

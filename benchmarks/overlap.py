@@ -36,9 +36,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fzero  # noqa: E402
-import transforms  # noqa: E402
+from fzero import transforms  # noqa: E402
 from common import median_time, sample_times  # noqa: E402
-from models import gpt  # noqa: E402
+from fzero.models import gpt  # noqa: E402
 
 EAGER = ("backward only", "reduce in step", "grad_and_value, overlap=False", "grad_and_value, overlap=True")
 

@@ -14,7 +14,7 @@ import optree
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 
 
 def main():

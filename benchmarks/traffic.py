@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
-import transforms  # noqa: E402
+from fzero import transforms  # noqa: E402
 from common import classic_step, hardware, median_time, paired_ratio, sync, table  # noqa: E402
 
 BIG = 1024  # tensors of fewer elements (0-d scalars, small biases) count nothing

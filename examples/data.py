@@ -21,7 +21,7 @@ import sysconfig
 
 import torch
 
-from models import mlp
+from fzero.models import mlp
 
 __all__ = ["VOCAB", "CharCorpus", "TeacherRegression", "encode", "decode"]
 

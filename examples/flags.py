@@ -12,7 +12,7 @@ import os
 import torch
 
 import fzero.checkpoint
-from models import gpt
+from fzero.models import gpt
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MLP_DIMS = "64,256,256,64"

@@ -12,10 +12,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fzero
-import transforms
+from fzero import transforms
 from data import CharCorpus, TeacherRegression
 from flags import GPT_CONFIGS, UsageError
-from models import gpt, mlp
+from fzero.models import gpt, mlp
 from ranks import mean_over_ranks
 
 

@@ -50,7 +50,7 @@ import time
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from flags import DTYPES, UsageError, check_args, given_flags, parse_args, resume_line, training_flags
 from ranks import exit_usage, gather_to_all, init_distributed, launched, rows_of
 from recipe import build, evaluate, load_data, lr_schedule, make_mesh, make_optimizer, make_train_step, schedule_count

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import fzero  # noqa: E402
-import transforms  # noqa: E402
+from fzero import transforms  # noqa: E402
 from flags import DTYPES, UsageError, check_batch_size  # noqa: E402
 from ranks import exit_usage, init_distributed, launched, rows_of  # noqa: E402
 

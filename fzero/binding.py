@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from transforms import ShardContext
+from fzero.transforms import ShardContext
 
 from .flat import Layout, leaf_paths, per_leaf_shard
 from .grads import GradPath

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from transforms.validate import Rule, check_count, check_number
+from fzero.transforms.validate import Rule, check_count, check_number
 
 __all__ = [
     "LossScaleState",

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from transforms import FusedStep, scalar
+from fzero.transforms import FusedStep, scalar
 
 from .grads import Reduced, Segments
 from .mode import StepMode

@@ -29,7 +29,7 @@ import fzero
 _FORKSERVER = mp.get_context("forkserver")
 # Imported once in the forkserver, which runs no tensor op: no thread pool starts there (a fork of
 # a process with a running OpenMP pool may hang in the child).
-_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "fzero", "transforms", "models", "distributed"])
+_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "fzero", "fzero.transforms", "fzero.models", "distributed"])
 
 
 def init_group(rank: int, world_size: int, timeout: float = 60.0) -> None:

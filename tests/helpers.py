@@ -18,7 +18,7 @@ import torch.utils._python_dispatch
 
 import fzero
 import fzero.comm
-import transforms
+from fzero import transforms
 from fzero import checkpoint as ck
 from fzero.checkpoint import commit, lock
 from distributed import require_tier

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 
 SHORT = 3.0  # call_timeout of these tests, seconds

@@ -13,10 +13,10 @@ import torch
 
 import fzero
 import fzero.comm
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from helpers import RecordingComm
-from models import mlp
+from fzero.models import mlp
 
 DIMS = (8, 32, 32, 4)
 STEPS = 3

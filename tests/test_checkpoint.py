@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from fzero import checkpoint as ck
 from fzero.checkpoint import lock

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from fzero import checkpoint as ck
 from fzero.checkpoint import reshard
 from helpers import assert_views_equal, ckpt_fresh_engine, ckpt_params, ckpt_steps, global_view, snapshot_dir

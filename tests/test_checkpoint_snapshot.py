@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from fzero import checkpoint as ck
 from fzero.checkpoint import commit
 from helpers import ckpt_engine, ckpt_fresh_engine, ckpt_params, edit_manifest, flip_byte, snapshot_dir

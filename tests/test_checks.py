@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from helpers import odd_params
 
 

@@ -6,7 +6,7 @@ import torch
 
 import fzero
 import fzero.comm
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from helpers import grads_like, odd_params
 

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from helpers import RecordingComm, grads_like, odd_params
 

@@ -8,7 +8,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from helpers import forbid_host_syncs, grads_like, odd_params
 
@@ -141,7 +141,7 @@ def test_params_from_a_compiled_pure_step_are_still_one_flat_buffer():
 def test_whole_train_step_compiles_into_one_graph():
     """Forward, backward and engine.step in one graph (differentiating the flat buffer), equal to
     the same train step run eagerly."""
-    from models import gpt
+    from fzero.models import gpt
 
     cfg = gpt.GPTConfig(31, block_size=8, n_layer=1, n_head=2, n_embd=16)
     g = torch.Generator().manual_seed(0)

@@ -6,8 +6,8 @@ import torch
 
 import fzero
 import fzero.comm
-import transforms
-from models import mlp
+from fzero import transforms
+from fzero.models import mlp
 from helpers import grads_like, master_tree, odd_params, run_tx, torch_adamw, tree_assert_close, tree_equal
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import init_group, run_ranks
 from helpers import grads_like, odd_params
 

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fzero
 import fzero.checkpoint
-import transforms
+from fzero import transforms
 from comm_model import collective_bytes
 from distributed import run_ranks
 from helpers import RecordingHybridComm, grads_like, odd_params

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
-from models import mlp
+from fzero.models import mlp
 from helpers import grads_like, odd_params, reference
 
 STEPS = 200

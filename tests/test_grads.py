@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from fzero.flat import flatten
 from fzero.update import sum_of_squares
 

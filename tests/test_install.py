@@ -5,6 +5,7 @@ installed (not editable) into a fresh venv beside a project with its own ``model
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,9 +25,12 @@ def readme_example() -> str:
 
 @pytest.mark.e2e
 def test_the_wheel_runs_the_readme_example_beside_a_project_with_its_own_models_and_transforms(tmp_path):
-    dist = tmp_path / "dist"
+    # Built from a copy: setuptools writes build/ and *.egg-info/ beside the sources.
+    source, dist = tmp_path / "source", tmp_path / "dist"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "runs", "__pycache__", ".pytest_cache", ".hypothesis"))
     run_script([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                str(REPO)], check=True, capture_output=True)
+                str(source)], check=True, capture_output=True)
     wheel, = dist.glob("fzero-*.whl")
     top = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {t for t in top if not t.endswith(".dist-info")} == {"fzero"}, top

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from fzero.lineage import ParamsEditedError
 from helpers import grads_like, master_tree, tree_equal
-from models import mlp
+from fzero.models import mlp
 
 MODES = ["fp32", "remainder"]
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from optree import tree_leaves, tree_map
 
-from models import gpt
-from models.gpt import GPTConfig
+from fzero.models import gpt
+from fzero.models.gpt import GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
 LOW = [torch.float16, torch.bfloat16]

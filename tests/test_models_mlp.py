@@ -4,8 +4,8 @@ import pytest
 import torch
 from optree import tree_leaves, tree_map
 
-from models import mlp
-from models.module import functional
+from fzero.models import mlp
+from fzero.models.module import functional
 
 DIMS = (16, 32, 32, 8)
 LOW = [torch.float16, torch.bfloat16]

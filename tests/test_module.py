@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from helpers import RecordingHybridComm
 

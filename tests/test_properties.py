@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from fzero.flat import flatten, make_layout, tree_shard, unflatten
 

@@ -8,7 +8,7 @@ import torch
 
 import fzero
 import fzero.checkpoint
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from fzero.remainder import join, round_bf16, split
 from helpers import grads_like, load_train_module, odd_params

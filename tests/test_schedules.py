@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from helpers import forbid_host_syncs, grads_like, odd_params
 
 

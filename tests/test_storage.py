@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from fzero.storage import MASTERS, FP32Master, RemainderMaster, master_storage
 from fzero.update import cast_params
 

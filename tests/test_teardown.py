@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fzero
-import transforms
+from fzero import transforms
 from distributed import run_ranks
 from helpers import odd_params
 

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from fzero.checkpoint import read_manifest
-from models import gpt
+from fzero.models import gpt
 
 import data
 from helpers import EXAMPLES, TRAIN, forbid_host_syncs, load_train_module, run_script

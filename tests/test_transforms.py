@@ -3,7 +3,7 @@ import optree
 import pytest
 import torch
 
-import transforms
+from fzero import transforms
 from helpers import run_tx
 
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import fzero
-import transforms
+from fzero import transforms
 from fzero.grads import Reduced, Segments
 from fzero.mode import StepMode
 from fzero.update import (ShardGrads, cast_params, choose, fused_chunks, generic_chunks, generic_whole,
                           sum_of_squares, write_into)
-from models import mlp
+from fzero.models import mlp
 from helpers import NewTensors, grads_like, odd_params, tree_assert_close, tree_equal
 
 

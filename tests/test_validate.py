@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-import transforms
+from fzero import transforms
 from fzero.scaler import DynamicLossScale, StaticLossScale
-from transforms.base import HYPERPARAM_RULES
-from transforms.validate import FINITE, check_count, check_number
+from fzero.transforms.base import HYPERPARAM_RULES
+from fzero.transforms.validate import FINITE, check_count, check_number
 
 INF, NAN = float("inf"), float("nan")
 FP32_MAX = torch.finfo(torch.float32).max

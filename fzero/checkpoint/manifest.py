@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from transforms.base import HYPERPARAM_RULES
+from fzero.transforms.base import HYPERPARAM_RULES
 
 from ..flat import Layout
 from ..scaler import LossScaleState

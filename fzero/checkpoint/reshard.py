@@ -32,8 +32,8 @@ import os
 
 import torch
 
-from transforms import iter_hyperparams, with_host_value
-from transforms.base import MaskedState, named_tuples
+from fzero.transforms import iter_hyperparams, with_host_value
+from fzero.transforms.base import MaskedState, named_tuples
 
 from ..flat import Layout
 from ..scaler import DynamicLossScale, LossScaleState
