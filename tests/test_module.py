@@ -56,18 +56,22 @@ def build(kind: str) -> nn.Module:
     return {"cnn": cnn, "cnn-plain": lambda: cnn(affine=False), "encoder": Encoder}[kind]()
 
 
+def cross_entropy(fm):
+    """The loss of ``fm``'s net on ``(x, y)``, with its new buffers as the aux value."""
+    def loss_fn(params, buffers, x, y):
+        out, buffers = fm.apply(params, buffers, x)
+        return F.cross_entropy(out.float(), y), buffers
+
+    return loss_fn
+
+
 def train_fzero(net, kind, rank, world):
     """STEPS of fzero (BF16 params, AdamW) on this rank's rows; ``net`` then holds the result."""
     fm = fzero.module.functional(net)
     engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WD), param_dtype=BF16)
     params, state, ss = engine.init(fm.params)
     buffers = fm.buffers
-
-    def loss_fn(params, buffers, x, y):
-        out, buffers = fm.apply(params, buffers, x)
-        return F.cross_entropy(out.float(), y), buffers
-
-    grad_fn = engine.grad_and_value(loss_fn, has_aux=True)
+    grad_fn = engine.grad_and_value(cross_entropy(fm), has_aux=True)
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     torch.manual_seed(100 + rank)  # dropout: each rank its own stream, the same in both runs
     losses = []
@@ -285,11 +289,7 @@ def test_load_into_writes_the_fp32_master_and_the_buffers_and_the_net_saves(tmp_
     engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=BF16, master=master)
     params, state, ss = engine.init(fm.params)
     buffers = fm.buffers
-    def loss_fn(p, b, x, y):
-        out, b = fm.apply(p, b, x)
-        return F.cross_entropy(out.float(), y), b
-
-    grad_fn = engine.grad_and_value(loss_fn, has_aux=True)
+    grad_fn = engine.grad_and_value(cross_entropy(fm), has_aux=True)
     for step in range(3):
         grads, (_, buffers) = grad_fn(params, ss, buffers, *data("cnn", step))
         params, state, ss, _ = engine.step(params, grads, state, ss)
