@@ -41,6 +41,20 @@ def run_script(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, **kwargs)
 
 
+def counting_comm(calls: list) -> fzero.comm.Comm:
+    """The default group's ``Comm`` whose tensor collectives append ``(name, bytes of the
+    input)`` to ``calls`` when they are issued eagerly (traced, a count would run once, at
+    compile time), through the public table of collectives."""
+    def counting(name, fn):
+        def call(x, *args):
+            if not torch.compiler.is_compiling():
+                calls.append((name, x.numel() * x.element_size()))
+            return fn(x, *args)
+        return call
+
+    return fzero.comm.Comm.of(None, collectives=fzero.comm.FUNCTIONAL.wrapped(counting))
+
+
 def odd_params(seed=0):
     g = torch.Generator().manual_seed(seed)
     return {

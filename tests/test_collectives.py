@@ -8,7 +8,7 @@ import fzero
 import fzero.comm
 from fzero import transforms
 from distributed import run_ranks
-from helpers import grads_like, odd_params
+from helpers import counting_comm, grads_like, odd_params
 
 
 def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
@@ -19,18 +19,10 @@ def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
 
 def counted_step(rank, world_size):
     calls = []
-
-    def counting(name, fn):
-        def call(x, *args):
-            if not torch.compiler.is_compiling():  # traced, a count would run once, at compile time
-                calls.append((name, x.numel() * x.element_size()))
-            return fn(x, *args)
-        return call
-
     p0 = odd_params()
     seq = [optree.tree_map(lambda x: x.half(), grads_like(p0, 10 * i + rank)) for i in range(2)]
     out = {}
-    for name, group in (("plain", None), ("counted", fzero.comm.Comm.of(None, collectives=fzero.comm.FUNCTIONAL.wrapped(counting)))):
+    for name, group in (("plain", None), ("counted", counting_comm(calls))):
         engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float16, loss_scale=None, bucket_bytes=40,
                              group=group)
         step = engine.step if name == "plain" else torch.compile(engine.step, fullgraph=True)
