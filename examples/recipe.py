@@ -84,28 +84,42 @@ def make_train_step(engine, loss_fn, *, compile: bool):
     info)``: one optimizer step with no host sync. ``loss`` is this rank's unscaled loss and
     ``info`` the engine's, 0-d tensors on the device.
 
-    The grads come back already reduce-scattered: each bucket's collective starts inside
-    backward (``engine.grad_and_value``, which also multiplies the loss by the loss scale and
-    returns it unscaled). With ``compile``, ``engine.step`` is one compiled
-    graph; the learning rate and the loss scale are tensors in the state, so changing them never
-    recompiles it.
+    Which grads, chosen once here:
 
-    Why not the whole step in one graph (forward, backward and ``engine.step``, differentiating
-    ``engine.flat_params``)? Measured on ``make train``'s config (docs/performance.md): it
-    compiles in about twice the time (29 s against 13 s from a cold cache, 2 ranks on 2 cores)
-    for steps only ~6% faster, since three quarters of a step are FP16 matmuls that run the same
-    aten kernels either way; so 600 steps end sooner this way, and backward keeps overlapping the
-    reduce-scatter (``grad_and_value`` is eager only)."""
+    * ``compile`` with one bucket (train.py's default): the loss is a compiled function of the
+      flat param buffer (``engine.flat_params``; the leaves are views of it, ``fzero.unflatten``),
+      so its compiled backward writes the grads straight into one flat buffer, laid out for
+      ``engine.step``, which reduce-scatters it. One bucket has nothing to overlap with backward.
+    * Several buckets (``--bucket-mb``), or not ``compile``: ``engine.grad_and_value``, each
+      bucket's reduce-scatter started inside backward while backward goes on (eager only).
 
-    grad_fn = engine.grad_and_value(loss_fn)
+    ``engine.step`` runs on the flat buffer, compiled with ``compile``. The learning rate and the
+    loss scale are tensors in the state, so changing them never recompiles anything. Why this
+    and not the whole step in one graph: measured side by side against the torch recipe in
+    docs/performance.md ("The main job against the torch recipe")."""
     optimizer_step = torch.compile(engine.step, fullgraph=True) if compile else engine.step
+    if not compile or len(engine.layout.buckets) > 1:
+        grad_fn = engine.grad_and_value(loss_fn)
+
+        def overlapped_step(params, state, scaler_state, batch):
+            grads, loss = grad_fn(params, scaler_state, batch)
+            flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
+            return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
+
+        return overlapped_step
+
+    # ``like``: the params pytree, whose structure dynamo can rebuild (fzero.unflatten)
+    loss_of_flat = torch.compile(lambda flat, batch, like: loss_fn(fzero.unflatten(flat, engine.layout, like=like), batch))
 
     def train_step(params, state, scaler_state, batch):
-        grads, loss = grad_fn(params, scaler_state, batch)
-        # The step on the flat buffer the leaves are views of: compiled, it writes the new params
-        # in the update's own pass; a pytree costs a pass per leaf (docs/performance.md).
-        flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
-        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
+        flat = engine.flat_params(params)
+        leaf = flat.detach().requires_grad_()  # an autograd leaf aliasing the buffer: no copy
+        loss = loss_of_flat(leaf, batch, params)
+        fzero.scale_loss(loss, scaler_state).backward()
+        # The step on the flat buffer: compiled, it writes the new params in the update's own
+        # pass; a pytree costs a pass per leaf (docs/performance.md).
+        flat, state, scaler_state, info = optimizer_step(flat, leaf.grad, state, scaler_state)
+        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
 
     return train_step
 

@@ -100,6 +100,22 @@ class Layout:
         """S: elements each rank owns."""
         return sum(b.shard for b in self.buckets)
 
+    @property
+    def split_sizes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(sizes, where)``: the flat buffer cut, in buffer order, into the leaves and the
+        padding between and after them (``sizes``, summing to ``padded_numel``); leaf ``i`` is
+        piece ``where[i]``."""
+        sizes, where, pos = [], [0] * len(self.shapes), 0
+        for i in sorted(range(len(self.shapes)), key=lambda i: self.offsets[i]):
+            if self.offsets[i] > pos:
+                sizes.append(self.offsets[i] - pos)
+            where[i] = len(sizes)
+            sizes.append(math.prod(self.shapes[i]))
+            pos = self.offsets[i] + sizes[-1]
+        if self.padded_numel > pos:
+            sizes.append(self.padded_numel - pos)
+        return tuple(sizes), tuple(where)
+
     def shard_ranges(self, rank: int) -> list[tuple[int, int]]:
         """``[(start, stop), ...]`` flat ranges rank owns, one per bucket, in shard order."""
         return [(b.start + rank * b.shard, b.start + (rank + 1) * b.shard) for b in self.buckets]
@@ -230,7 +246,13 @@ def split_buckets(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 
 
 def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-    return [flat[o : o + math.prod(s)].view(s) for o, s in zip(layout.offsets, layout.shapes)]
+    # One split into the leaves and the gaps between them (in buffer order), not a slice per
+    # leaf: the same views, but autograd's backward of a split is one concatenation, which
+    # inductor writes straight into one buffer; the backward of N slices is N scatters into
+    # zeroed copies of the whole buffer (differentiating ``engine.flat_params``).
+    sizes, where = layout.split_sizes
+    parts = torch.split(flat, sizes)
+    return [parts[k].view(s) for k, s in zip(where, layout.shapes)]
 
 
 def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None) -> Any:

@@ -44,8 +44,8 @@ def norm_and_overflow(path: GradPath, reduced: Reduced, scale: torch.Tensor, tx,
     cannot overflow, see ``fzero.update.sum_of_squares``). Any inf/NaN on any rank makes it
     non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero."""
     grads = ShardGrads.of(reduced, scale)
-    acc = torch.float32 if path.param_dtype == torch.float16 else torch.float64
-    sumsq = sum_of_squares(grads.segments(), dtype=acc, compiled=mode.compiled) / grads.grad_scale.double().square()
+    bounded = path.param_dtype == torch.float16
+    sumsq = sum_of_squares(grads.segments(), bounded=bounded, compiled=mode.compiled) / grads.grad_scale.double().square()
     sumsq = path.comm.all_reduce_sum(sumsq)
     found_inf = ~torch.isfinite(sumsq)
     # One NaN for every overflow: a NaN's sign and payload come from whichever operand the

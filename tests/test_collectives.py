@@ -53,3 +53,31 @@ def test_a_wrapped_table_counts_every_collective_and_compiles():
         # FP32 grads of the whole buffer in, this rank's FP16 half of the params in, one float64
         assert nbytes == {"reduce_scatter": 4 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
         assert r["after_compiled"] == len(names)  # the compiled step ran the wrapper only while tracing
+
+
+def gloo_table_against_gloos_own(rank, world_size):
+    from fzero.comm.collectives import FUNCTIONAL, completed
+    comm = fzero.comm.Comm.of(None)  # gloo: the table Comm picks for it
+    group, n = comm.group, 4 * world_size * 5
+    # integers: the sums are exact whatever order each implementation adds in
+    x = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(rank)).float()
+    before = x.clone()
+    shard = x[: n // world_size]
+    out = {"picked": comm.collectives is not FUNCTIONAL}
+    for name, table in (("own", FUNCTIONAL), ("picked", comm.collectives)):
+        rs = lambda x, t=table: completed(t.reduce_scatter(x, "sum", 0, group))  # noqa: E731
+        ag = lambda s, t=table: completed(t.all_gather(s, 0, group))  # noqa: E731
+        out[name] = [rs(x), ag(shard)]
+    # traced into a graph as the compiled step issues them (gloo's own are, test_compile.py)
+    out["compiled"] = [torch.compile(rs, fullgraph=True)(x), torch.compile(ag, fullgraph=True)(shard)]
+    out["input kept"] = torch.equal(x, before)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_on_gloo_reduce_scatter_and_all_gather_go_over_all_reduce_and_broadcast_with_gloos_results(world_size):
+    for r in run_ranks(gloo_table_against_gloos_own, world_size):
+        assert r["picked"] and r["input kept"]
+        for got, eager, want in zip(r["compiled"], r["picked"], r["own"]):
+            assert torch.equal(eager, want) and torch.equal(got, want)

@@ -49,15 +49,32 @@ def test_pieces_cut_at_block_multiples_whatever_the_parts():
         assert max(x.numel() for x in a) <= block
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sum_of_squares_of_the_largest_fp16_sums_is_finite_and_exact_enough(dtype):
+@pytest.mark.parametrize("bounded", [True, False])
+def test_sum_of_squares_of_the_largest_fp16_sums_is_finite_and_exact_enough(bounded):
     # FP16 grads summed over 2**20 ranks x micro-batches: FP32 accumulation must not overflow
     g = torch.full((3 * 2**18 + 64,), 65504.0 * 2**20)
     g[::7] *= -0.5
-    got = sum_of_squares(fzero.grads.Segments.of(g, False), dtype=dtype)
+    got = sum_of_squares(fzero.grads.Segments.of(g, False), bounded=bounded)
     want = g.double().square().sum()
     assert got.dtype == torch.float64 and math.isfinite(got)
-    torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-14, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-6 if bounded else 1e-14, atol=0)
     for bad in (float("inf"), float("nan")):
         g[5] = bad
-        assert not math.isfinite(sum_of_squares(fzero.grads.Segments.of(g, False), dtype=dtype))
+        assert not math.isfinite(sum_of_squares(fzero.grads.Segments.of(g, False), bounded=bounded))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sum_of_squares_of_bf16_grads_spans_their_whole_range(compiled):
+    # BF16 reaches 3.4e38, whose square FP32 cannot hold, and goes down to 9e-41: each row is
+    # scaled by a power of two before its FP32 sum, so neither end is lost
+    f = (lambda g: sum_of_squares(fzero.grads.Segments.of(g, False), bounded=False, compiled=compiled))
+    f = torch.compile(f) if compiled else f
+    for vals in ([3.38e38, -3.38e38, 1.0], [1e-40, -2e-40], [1e-30, 5.0, -3.0], [0.0]):
+        g = torch.tensor(vals * 300 + [7.0] * 5).to(torch.bfloat16)  # full rows and a tail
+        got, want = f(g), g.double().square().sum()
+        assert got.dtype == torch.float64 and math.isfinite(got)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        g = torch.ones(600, dtype=torch.bfloat16)
+        g[300] = bad
+        assert not math.isfinite(f(g))

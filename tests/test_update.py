@@ -106,12 +106,12 @@ def test_write_into_copies_every_new_tensor_into_the_old_one():
 def test_sum_of_squares_is_the_float64_sum_and_non_finite_on_any_inf():
     g = torch.randn(1000) * 100
     pieces = Segments((g[:123], g[123:700], g[700:]), (0, 123, 700), 1000, False)
-    for dtype in (torch.float32, torch.float64):
+    for bounded in (True, False):
         for compiled in (False, True):  # compiled: the whole parts (no block cut; the same for a small shard)
-            a = sum_of_squares(pieces, dtype=dtype, compiled=compiled)
+            a = sum_of_squares(pieces, bounded=bounded, compiled=compiled)
             assert a.dtype == torch.float64
             torch.testing.assert_close(a, g.double().square().sum(), rtol=1e-6, atol=0)
-    assert torch.isinf(sum_of_squares(Segments.of(torch.tensor([1.0, float("inf")]), False), dtype=torch.float32))
+    assert torch.isinf(sum_of_squares(Segments.of(torch.tensor([1.0, float("inf")]), False), bounded=True))
 
 
 # ---------------------------------------------------------------- through the engine

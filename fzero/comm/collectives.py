@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 
-__all__ = ["Collectives", "FUNCTIONAL", "CollectiveError", "completed"]
+__all__ = ["Collectives", "FUNCTIONAL", "CollectiveError", "completed", "for_backend", "over_all_reduce"]
 
 
 class CollectiveError(RuntimeError):
@@ -53,6 +53,37 @@ FUNCTIONAL = Collectives(
     all_reduce=funcol.all_reduce,
     broadcast=funcol.broadcast,
 )
+
+
+def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) -> Collectives:
+    """``base`` with reduce-scatter and all-gather built from its all-reduce and broadcast, for
+    rank ``rank`` of ``world_size`` (the shard group it is issued in):
+
+    * reduce-scatter = the all-reduce of the whole ``[N*S]`` buffer, then this rank's ``[S]``
+      slice of it (a view, taken without waiting: the collective stays in flight);
+    * all-gather = N broadcasts, rank ``i``'s ``[S]`` shard from rank ``i``, concatenated.
+
+    Why: gloo's own reduce-scatter and all-gather run 2-4x slower than these on the same bytes
+    (``benchmarks/comm.py``; docs/communication.md). Same results: every rank's slice of one sum
+    that all ranks receive alike (a ring all-reduce hands each rank the same bits), and a
+    broadcast copies bits. ``dim`` must be 0 (a flat bucket)."""
+
+    def reduce_scatter(x: torch.Tensor, op: str, dim: int, group) -> torch.Tensor:
+        shard = x.shape[0] // world_size
+        return base.all_reduce(x, op, group).narrow(0, rank * shard, shard)
+
+    def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        parts = [base.broadcast(x if i == rank else torch.empty_like(x), i, group) for i in range(world_size)]
+        return torch.cat([completed(p) for p in parts])
+
+    return base._replace(reduce_scatter=reduce_scatter, all_gather=all_gather)
+
+
+def for_backend(backend: str, rank: int, world_size: int) -> Collectives:
+    """The table a ``Comm`` issues on a process group of ``backend``: ``over_all_reduce`` on
+    gloo (CPU), ``FUNCTIONAL`` otherwise (NCCL's own reduce-scatter and all-gather are the
+    fast ones)."""
+    return over_all_reduce(rank, world_size) if backend == "gloo" and world_size > 1 else FUNCTIONAL
 
 
 def completed(t: torch.Tensor) -> torch.Tensor:

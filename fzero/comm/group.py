@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .. import arrival
 from ..flat import Layout
 from ..mode import compiling
-from .collectives import FUNCTIONAL, CollectiveError, Collectives, completed
+from .collectives import FUNCTIONAL, CollectiveError, Collectives, completed, for_backend
 from .communicator import Communicator
 from .teardown import shutdown_at_exit
 
@@ -58,15 +58,17 @@ class Comm(Communicator):
     collectives: Collectives = dataclasses.field(default=FUNCTIONAL, kw_only=True, repr=False)
 
     @classmethod
-    def of(cls, requested, *, collectives: Collectives = FUNCTIONAL) -> "Comm":
+    def of(cls, requested, *, collectives: Collectives | None = None) -> "Comm":
         """The communicator of ``requested`` (a ProcessGroup; ``None``: WORLD if initialized,
-        else one process), issuing ``collectives``."""
+        else one process), issuing ``collectives`` (default: the fastest table for the group's
+        backend, ``fzero.comm.collectives.for_backend``)."""
         group = resolve_group(requested)
         if group is None:
-            return cls(None, 0, 1, None, collectives=collectives)
+            return cls(None, 0, 1, None, collectives=collectives or FUNCTIONAL)
         shutdown_at_exit()
-        return cls(name_of(group), dist.get_rank(group), dist.get_world_size(group), name_of(requested),
-                   collectives=collectives)
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        collectives = collectives or for_backend(dist.get_backend(group), rank, world_size)
+        return cls(name_of(group), rank, world_size, name_of(requested), collectives=collectives)
 
     def process_group(self):
         """The ``ProcessGroup`` object, resolved now (off the hot path: barriers, objects)."""

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .. import arrival
 from ..flat import Layout
-from .collectives import FUNCTIONAL, Collectives
+from .collectives import Collectives, for_backend
 from .group import Comm, group_named, name_of
 from .teardown import shutdown_at_exit
 
@@ -39,11 +39,14 @@ class HybridComm(Comm):
     replicas: int = 1  # its size
 
     @classmethod
-    def of_mesh(cls, mesh, *, collectives: Collectives = FUNCTIONAL) -> "HybridComm":
-        """The communicator of a 2-D ``("replicate", "shard")`` mesh, issuing ``collectives``."""
+    def of_mesh(cls, mesh, *, collectives: Collectives | None = None) -> "HybridComm":
+        """The communicator of a 2-D ``("replicate", "shard")`` mesh, issuing ``collectives``
+        (default: the table for the shard group's backend, as ``Comm.of``)."""
         shard, rep = mesh.get_group("shard"), mesh.get_group("replicate")
         shutdown_at_exit()
-        return cls(name_of(shard), dist.get_rank(shard), dist.get_world_size(shard), name_of(shard),
+        rank, world_size = dist.get_rank(shard), dist.get_world_size(shard)
+        collectives = collectives or for_backend(dist.get_backend(shard), rank, world_size)
+        return cls(name_of(shard), rank, world_size, name_of(shard),
                    name_of(rep), dist.get_rank(rep), dist.get_world_size(rep), collectives=collectives)
 
     def arrive(self, what: str, *, timeout: float) -> None:
