@@ -4,15 +4,16 @@ torch: the same GPT as an ``nn.Module`` (``ModuleGPT``: same shapes, tied embedd
 tanh GELU), ``torch.compile``d, ``torch.autocast`` to FP16/BF16 (none for FP32) with
 ``torch.amp.GradScaler`` for FP16, ``torch.optim.AdamW(fused=True)``; under torchrun wrapped in
 DDP. fzero: ``models.gpt`` through ``examples/recipe.py``'s ``make_train_step`` -- the main job's
-step: ``engine.grad_and_value`` (the reduce-scatter inside backward) and the compiled
-``engine.step``, params in FP16/BF16/FP32, dynamic loss scaling for FP16. Both take AdamW with
-lr 3e-4, weight decay 0.1 on every param, no clipping; random tokens (throughput only).
+step: with one bucket, the compiled loss of the flat param buffer and the compiled
+``engine.step`` -- params in FP16/BF16/FP32, dynamic loss scaling for FP16; ``--variants`` adds
+other fzero recipes (``VARIANTS``) to the same run. All take AdamW with lr 3e-4, weight decay
+0.1 on every param, no clipping; random tokens (throughput only).
 
-The two alternate in blocks of ``--steps`` steps after a warm-up that compiles both; tokens/s is
-the median over ``--rounds`` blocks; fzero / torch is the median over the rounds of the ratio within
-each round (the two blocks ran back to back). Rows for 1 rank, then 2 ranks (gloo on CPU, NCCL on GPUs),
-which the script runs under torchrun itself. Last line: ``fzero/torch tokens/s: <ratio>`` for
-the first row (1 rank, the first ``--dtype``).
+The recipes alternate in blocks of ``--steps`` steps after a warm-up that compiles them all;
+tokens/s is the median over ``--rounds`` blocks; fzero / torch is the median over the rounds of
+the ratio within each round (the blocks ran back to back). Rows for 1 rank, then 2 ranks (gloo
+on CPU, NCCL on GPUs), which the script runs under torchrun itself. Last line: ``fzero/torch
+tokens/s: <ratio>`` for the first row (1 rank, the first ``--dtype``, the first variant).
 
     python benchmarks/e2e.py                                     # CPU: --config small, FP32, 1 and 2 ranks
     python benchmarks/e2e.py --device cuda --config gpt2 --dtype fp16 bf16 --ranks 1
@@ -51,6 +52,10 @@ CONFIGS = {  # the main job's configs at its data's vocabulary (97 characters); 
     "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
 }
 LR, WEIGHT_DECAY = 3e-4, 0.1
+VARIANTS = {  # fzero recipes --variants can add beside the main job's
+    "main": "the main job's make_train_step: compiled loss of the flat buffer + compiled step",
+    "overlapped": "engine.grad_and_value (reduce-scatter inside eager backward) + compiled step",
+}
 
 
 class Block(nn.Module):
@@ -107,11 +112,21 @@ def torch_recipe(cfg, dtype, batch, dev, world):
     return step
 
 
-def fzero_main_job(cfg, dtype, batch, dev, world):
-    """One step of the main job's train step (``examples/recipe.py: make_train_step``)."""
+def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
+    """One step of the main job's train step (``examples/recipe.py: make_train_step``), or of a
+    variant of it (``VARIANTS``)."""
     engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True)  # as train.py
     carry = list(engine.init(gpt.init(torch.Generator().manual_seed(0), cfg, device=dev)))
-    train_step = make_train_step(engine, functools.partial(gpt.loss, config=cfg), compile=True)
+    loss_fn = functools.partial(gpt.loss, config=cfg)
+    if variant == "main":
+        train_step = make_train_step(engine, loss_fn, compile=True)
+    else:  # "overlapped": engine.grad_and_value (reduce-scatter inside eager backward), compiled step
+        grad_fn, optimizer_step = engine.grad_and_value(loss_fn), torch.compile(engine.step, fullgraph=True)
+
+        def train_step(params, state, scaler_state, batch):
+            grads, loss = grad_fn(params, scaler_state, batch)
+            flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
+            return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
 
     def step():
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)
@@ -138,17 +153,20 @@ def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
     T = args.seq or cfg.block_size
     g = torch.Generator().manual_seed(rank)
     batch = tuple(torch.randint(0, cfg.vocab_size, (args.batch, T), generator=g).to(dev) for _ in range(2))
-    steps = {"torch": torch_recipe(cfg, dtype, batch, dev, world), "fzero": fzero_main_job(cfg, dtype, batch, dev, world)}
-    # one untimed block each first (compile, first-call work), then the two alternate
+    steps = {"torch": torch_recipe(cfg, dtype, batch, dev, world)}
+    steps.update({v: fzero_main_job(cfg, dtype, batch, dev, world, v) for v in args.variants})
+    # one untimed block each first (compile, first-call work), then they alternate
     times = sample_times({name: block(step, args.steps, world) for name, step in steps.items()}, dev,
                          iters=args.rounds, warmup=1)
     tokens = args.batch * T * args.steps * world
     out = {"dtype": dtype_name, "ranks": world, "params": cfg.num_params(), "tokens_per_step": args.batch * T * world}
     for name, ts in times.items():
         out[f"{name}_tok_s"] = tokens / statistics.median(ts)
-    # the ratio of each round's pair (the two ran back to back), then the median: drift in the
-    # machine's speed cancels within a pair
-    out["ratio"] = statistics.median(t / f for t, f in zip(times["torch"], times["fzero"]))
+    # the ratio within each round (the blocks ran back to back), then the median over rounds:
+    # drift in the machine's speed cancels within a round
+    for v in args.variants:
+        out[f"{v}_ratio"] = statistics.median(t / f for t, f in zip(times["torch"], times[v]))
+    out["fzero_tok_s"], out["ratio"] = out[f"{args.variants[0]}_tok_s"], out[f"{args.variants[0]}_ratio"]
     return out
 
 
@@ -174,6 +192,9 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, help="tokens per sequence (default: the config's block size; 128 on CPU)")
     ap.add_argument("--steps", type=int, help="steps per timed block (default: 3 on CPU, 10 on a GPU)")
     ap.add_argument("--rounds", type=int, help="alternating blocks per recipe (default: 9; 2 with --quick)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=["main"],
+                    help="fzero recipes to measure, each against the torch recipe: " +
+                    "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()) + " (default: main)")
     ap.add_argument("--quick", action="store_true", help="a tiny rehearsal: nano config, 1 step per block")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--child-out", help=argparse.SUPPRESS)  # set when this script runs itself under torchrun
@@ -206,8 +227,10 @@ def main(argv=None):
     print(f"\nGPT '{args.config}' ({cfg.num_params() / 1e6:.2f}M params), {args.batch} x {args.seq or cfg.block_size} "
           f"tokens per rank per step, {hardware(dev)}; median of {args.rounds} alternating blocks of {args.steps} "
           f"steps\n")
-    print(table([[r["dtype"], r["ranks"], f"{r['torch_tok_s']:,.0f}", f"{r['fzero_tok_s']:,.0f}", f"{r['ratio']:.2f}"]
-                 for r in rows], ["dtype", "ranks", "torch recipe tok/s", "fzero main job tok/s", "fzero / torch (paired)"]))
+    print(table([[r["dtype"], r["ranks"], f"{r['torch_tok_s']:,.0f}"]
+                 + [x for v in args.variants for x in (f"{r[f'{v}_tok_s']:,.0f}", f"{r[f'{v}_ratio']:.2f}")] for r in rows],
+                ["dtype", "ranks", "torch recipe tok/s"]
+                + [x for v in args.variants for x in (f"fzero {v} tok/s", f"{v} / torch (paired)")]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "device": hardware(dev), "rows": rows}, f, indent=1)

@@ -6,13 +6,17 @@ FP32) grads. The floor is the step's 28 bytes/element (read FP16 grad 2, FP32 ma
 
     python benchmarks/step.py --numel 2e7 --device cpu          # CPU, 2e7 elements
     python benchmarks/step.py --numel 1e9 --device cuda         # one GPU, 1e9 elements
+    python benchmarks/step.py --blocks 2 --device cpu           # 5e7 elements in 12 leaves of 2 MLP blocks
 
 Rows: torch.optim.AdamW fused / foreach on FP32 params; the classic FP16-params + FP32-master
-recipe (torch's amp unscale kernel, AdamW on the master, copy back); fzero eager and fzero
-compiled (``torch.compile(engine.step, fullgraph=True)``) from the grads pytree, and compiled on
-the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16 params,
-dynamic loss scale, ``donate=True``. Prints a markdown table with x floor and ratios, then
-the ratio of each compiled row to torch's fused AdamW from alternating paired rounds.
+recipe (torch's amp unscale kernel, AdamW on the master, copy back); fresh outputs (allocate new
+FP32 master and moments and FP16 params and write each once: the floor of a pure step where the
+allocator hands out fresh pages); fzero eager and fzero compiled (``torch.compile(engine.step,
+fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
+compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
+params, dynamic loss scale. Prints a markdown table with x floor and ratios, then the ratio of
+each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
+paired rounds.
 """
 from __future__ import annotations
 
@@ -33,6 +37,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", type=float, default=2e7)
     ap.add_argument("--tensors", type=int, default=200)
+    ap.add_argument("--blocks", type=int, help="instead of --numel/--tensors: this many MLP blocks of width "
+                    "--width, 6 leaves each ([w, 4w], [4w], [4w, 4w], [4w], [4w, w], [w]; 2 blocks of 1024: 5e7 "
+                    "elements in 12 leaves)")
+    ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--iters", type=int, default=20)
@@ -40,7 +48,9 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
-    sizes = [int(args.numel) // args.tensors] * args.tensors
+    w = args.width
+    sizes = ([w * 4 * w, 4 * w, 16 * w * w, 4 * w, 4 * w * w, w] * args.blocks if args.blocks
+             else [int(args.numel) // args.tensors] * args.tensors)
     N = sum(sizes)
     gen = torch.Generator().manual_seed(0)
     rand = lambda n, dtype=torch.float32: torch.randn(n, generator=gen).to(dev, dtype)
@@ -78,14 +88,27 @@ def main(argv=None):
     ms["classic FP16 + FP32 master (amp unscale, AdamW, copy)"] = bench(classic)
     del p16, classic
 
+    # fresh pages: what the pure step must at least do on an allocator that does not cache --
+    # allocate new master, moments (FP32) and params (FP16) and write them once (14 B/elem)
+    def fresh_outputs():
+        for dtype in (torch.float32, torch.float32, torch.float32, torch.float16):
+            torch.empty(N, dtype=dtype, device=dev).fill_(1.0)
+
+    ms["fresh outputs (new master, moments, params written once)"] = bench(fresh_outputs)
+    keep["fresh"] = fresh_outputs
+
     # fzero, world size 1
     params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}
     grads = {k: g for k, g in zip(params32, g16)}
-    for label, compiled, flat_grads in (("fzero eager", False, False), ("fzero compiled", True, False),
-                                        ("fzero compiled, flat buffer (engine.flat_params)", True, True)):
+    for label, key, compiled, flat_grads, donate in (
+            ("fzero eager", "eager", False, False, True),
+            ("fzero compiled", "compiled", True, False, True),
+            ("fzero eager, donate=False (pure)", "eager pure", False, False, False),
+            ("fzero compiled, donate=False (pure)", "compiled pure", True, False, False),
+            ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)):
         if compiled and not args.compile:
             continue
-        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, donate=True)
+        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, donate=donate)
         carry = list(engine.init(params32))  # params, state, scaler_state
         step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
         # d(loss)/d(flat buffer) arrives already laid out (engine.flat_params): no per-leaf copy
@@ -97,17 +120,17 @@ def main(argv=None):
             carry[0], carry[1], carry[2], _ = step(carry[0], g, carry[1], carry[2])
 
         ms[label] = bench(run)
-        if compiled:
-            keep["flat buffer" if flat_grads else "grads pytree"] = run
+        keep[key] = run
         del engine, carry, step
     del params32
 
     # Paired rounds: each compiled row against torch's fused AdamW (the CPU target), alternated
     # so that drift in the machine's speed hits both; the ratio is the median of per-round ratios.
-    paired = {}
-    if "fused" in keep:
-        paired = {k: paired_ratio(keep[k], keep["fused"], dev, rounds=args.rounds)
-                  for k in ("grads pytree", "flat buffer") if k in keep}
+    # The pure rows also against fresh outputs: the floor where the allocator does not cache.
+    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer")]
+    pairs += [(k, "fresh") for k in ("compiled pure", "eager pure")]
+    paired = {f"{a} / {b}": paired_ratio(keep[a], keep[b], dev, rounds=args.rounds)
+              for a, b in pairs if a in keep and b in keep}
     keep.clear()
 
     fused_ms = ms.get("torch AdamW(fused=True), FP32 params")
@@ -116,12 +139,15 @@ def main(argv=None):
         [name, f"{t * 1e3:.2f}", f"{t / floor:.2f}", f"{t / fused_ms:.2f}" if fused_ms else "-", f"{classic_ms / t:.2f}"]
         for name, t in ms.items()
     ]
-    print(f"\n{N:.3g} elements in {args.tensors} tensors on {hardware(dev)}; copy bandwidth {bw / 1e9:.1f} GB/s; "
+    print(f"\n{N:.3g} elements in {len(sizes)} tensors on {hardware(dev)}; copy bandwidth {bw / 1e9:.1f} GB/s; "
           f"median of {args.iters}\n")
     print(table(rows, ["step", "ms", "x floor", "x torch fused", "classic / this"]))
-    for k, r in paired.items():
-        print(f"\npaired: fzero compiled, {k} / torch fused AdamW = {r:.3f} "
-              f"(median of {args.rounds} alternating rounds of 5 steps each)")
+    names = {"fused": "torch fused AdamW", "fresh": "fresh outputs", "compiled": "fzero compiled (grads pytree, donate)",
+             "eager": "fzero eager (grads pytree, donate)", "compiled pure": "fzero compiled (grads pytree, pure)",
+             "eager pure": "fzero eager (grads pytree, pure)", "flat buffer": "fzero compiled (flat buffer, donate)"}
+    print(f"\npaired: median of {args.rounds} alternating rounds of 5 steps each\n")
+    print(table([[names[k.split(" / ")[0]], names[k.split(" / ")[1]], f"{r:.2f}"] for k, r in paired.items()],
+                ["step", "against", "ratio"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"numel": N, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},

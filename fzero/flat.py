@@ -102,18 +102,16 @@ class Layout:
 
     @property
     def split_sizes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(sizes, where)``: the flat buffer cut, in buffer order, into the leaves and the
-        padding between and after them (``sizes``, summing to ``padded_numel``); leaf ``i`` is
-        piece ``where[i]``."""
-        sizes, where, pos = [], [0] * len(self.shapes), 0
-        for i in sorted(range(len(self.shapes)), key=lambda i: self.offsets[i]):
-            if self.offsets[i] > pos:
-                sizes.append(self.offsets[i] - pos)
-            where[i] = len(sizes)
-            sizes.append(math.prod(self.shapes[i]))
-            pos = self.offsets[i] + sizes[-1]
-        if self.padded_numel > pos:
-            sizes.append(self.padded_numel - pos)
+        """``(sizes, where)``: the flat buffer cut, in buffer order, into the leaves and each
+        bucket's padding (``sizes``, summing to ``padded_numel``); leaf ``i`` is piece
+        ``where[i]``. A bucket holds its leaves back to back in the order it lists them."""
+        sizes, where = [], [0] * len(self.shapes)
+        for b in self.buckets:
+            for i in b.leaves:
+                where[i] = len(sizes)
+                sizes.append(math.prod(self.shapes[i]))
+            if self.world_size * b.shard > b.numel:
+                sizes.append(self.world_size * b.shard - b.numel)
         return tuple(sizes), tuple(where)
 
     def shard_ranges(self, rank: int) -> list[tuple[int, int]]:
