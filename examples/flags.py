@@ -70,7 +70,8 @@ def make_parser(**kwargs) -> argparse.ArgumentParser:
                         "optimizer state is sharded over the S ranks of a replica and copied R times "
                         "(default: sharded over all ranks)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile the optimizer step (torch.compile, one graph): %(default)s")
+                   help="compile the optimizer step (one graph) and, with one bucket, the loss of the flat "
+                        "param buffer (torch.compile): %(default)s")
     p.add_argument("--check-args", action="store_true",
                    help="only check the flags for WORLD_SIZE ranks (default 1), then exit: 0 if they are valid, "
                         "2 with one line naming the bad one (make train runs this before torchrun)")

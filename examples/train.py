@@ -5,12 +5,13 @@
     make train                                                     # nano GPT, FP16, 2 CPU ranks
 
 Every rank samples the same global batch and trains on its own rows of it. The engine
-reduce-scatters the grads bucket by bucket while backward still runs (engine.grad_and_value),
-updates this rank's 1/N shard of the FP32 master weights and Adam moments, and all-gathers
-the new FP16/BF16 params. The default data is character-level
+reduce-scatters the grads (with --bucket-mb, bucket by bucket while backward still runs:
+engine.grad_and_value), updates this rank's 1/N shard of the FP32 master weights and Adam
+moments, and all-gathers the new FP16/BF16 params. The default data is character-level
 Python: the standard library's own sources (see data.py); --data FILE trains on your text.
 
-The optimizer step is compiled (torch.compile, one graph; --no-compile runs it eagerly), and the
+The loss (as a function of the flat param buffer) and the optimizer step are compiled
+(torch.compile; --no-compile runs both eagerly; recipe.make_train_step says which is which), and the
 loop syncs the host only at log steps: every --log-every steps, and at the steps that sync anyway
 (evaluation, collective timing, checkpoints). Until then the per-step loss, found_inf, loss scale
 and grad norm stay 0-d tensors on the device.

@@ -81,8 +81,8 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
     * FP32, the row first multiplied by the power of two ``2^-e`` that brings its largest
       magnitude into [0.5, 1) (exact), for BF16 grads ``compiled``: no square can overflow
       (BF16 reaches 3.4e38, whose square FP32 cannot hold), and nothing is lost that the row's
-      norm would show. Inductor's float64 reduction of BF16 on CPU is 4x slower (9.5 against
-      2.5 ms for 1.1e7 elements); eager, the same in small ops is slower than float64;
+      norm would show. Inductor's float64 reduction of BF16 on CPU takes 2-4x as long; eager,
+      the same in small ops would be slower than float64;
     * float64 otherwise: it never overflows for finite FP32 (or BF16) inputs.
 
     Each is exact to ~1e-7 relative (a running sum of 256 terms; one over 2^18 terms would lose

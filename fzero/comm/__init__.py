@@ -6,7 +6,8 @@ of a process group that the step needs (``group``); ``HybridComm``, a 2-D ``("re
 on one device with no process group, for memory accounting (``simulated``). The engine takes any
 of them (``zero1(group=...)``), and so can a test's recording subclass. The tensor collectives
 are torch's functional collectives, traced into the compiled step; a ``Comm`` calls them through
-a public table (``collectives``) that a test or benchmark may wrap to count or log them.
+a public table (``collectives``: on gloo, reduce-scatter and all-gather built from all-reduce and
+broadcasts, which gloo runs faster) that a test or benchmark may wrap to count or log them.
 ``teardown`` ends the process's use of torch.distributed (``fzero.shutdown``).
 """
 from .teardown import shutdown  # first: it imports torch._dynamo before any process group exists (see there)
