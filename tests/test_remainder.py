@@ -147,8 +147,8 @@ def main_job(rank, world_size, compiled):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size,compiled", [(1, False), (2, False), (2, True)],
+                         ids=["1-eager", "2-eager", "2-compiled"])  # compiled: the costly one, at 2 ranks only
 def test_remainder_trains_the_main_job_bit_for_bit_like_an_fp32_master(world_size, compiled):
     """200 steps of the main job in BF16, with overflow skips all through and the grad norm
     clipped: the remainder master gives the same losses, skips, grad norms and params at every
