@@ -42,7 +42,7 @@ import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from common import hardware, sample_times, table  # noqa: E402
 from fzero.models import gpt  # noqa: E402
-from recipe import make_train_step  # noqa: E402
+from recipe import make_train_step, overlapped_train_step  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 CONFIGS = {  # the main job's configs at its data's vocabulary (97 characters); gpt2 at GPT-2's, padded
@@ -121,12 +121,7 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
     if variant == "main":
         train_step = make_train_step(engine, loss_fn, compile=True)
     else:  # "overlapped": engine.grad_and_value (reduce-scatter inside eager backward), compiled step
-        grad_fn, optimizer_step = engine.grad_and_value(loss_fn), torch.compile(engine.step, fullgraph=True)
-
-        def train_step(params, state, scaler_state, batch):
-            grads, loss = grad_fn(params, scaler_state, batch)
-            flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
-            return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
+        train_step = overlapped_train_step(engine, loss_fn, torch.compile(engine.step, fullgraph=True))
 
     def step():
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)

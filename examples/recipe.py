@@ -99,14 +99,7 @@ def make_train_step(engine, loss_fn, *, compile: bool):
     docs/performance.md ("The main job against the torch recipe")."""
     optimizer_step = torch.compile(engine.step, fullgraph=True) if compile else engine.step
     if not compile or len(engine.layout.buckets) > 1:
-        grad_fn = engine.grad_and_value(loss_fn)
-
-        def overlapped_step(params, state, scaler_state, batch):
-            grads, loss = grad_fn(params, scaler_state, batch)
-            flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
-            return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
-
-        return overlapped_step
+        return overlapped_train_step(engine, loss_fn, optimizer_step)
 
     # ``like``: the params pytree, whose structure dynamo can rebuild (fzero.unflatten)
     loss_of_flat = torch.compile(lambda flat, batch, like: loss_fn(fzero.unflatten(flat, engine.layout, like=like), batch))
@@ -120,6 +113,20 @@ def make_train_step(engine, loss_fn, *, compile: bool):
         # pass; a pytree costs a pass per leaf (docs/performance.md).
         flat, state, scaler_state, info = optimizer_step(flat, leaf.grad, state, scaler_state)
         return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
+
+    return train_step
+
+
+def overlapped_train_step(engine, loss_fn, optimizer_step):
+    """``make_train_step``'s step with the grads of ``engine.grad_and_value`` (each bucket's
+    reduce-scatter started inside eager backward) and ``optimizer_step`` (``engine.step``,
+    compiled or not) on the flat buffer."""
+    grad_fn = engine.grad_and_value(loss_fn)
+
+    def train_step(params, state, scaler_state, batch):
+        grads, loss = grad_fn(params, scaler_state, batch)
+        flat, state, scaler_state, info = optimizer_step(engine.flat_params(params), grads, state, scaler_state)
+        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss, info
 
     return train_step
 
