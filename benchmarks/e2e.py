@@ -15,6 +15,16 @@ the ratio within each round (the blocks ran back to back). Rows for 1 rank, then
 on CPU, NCCL on GPUs), which the script runs under torchrun itself. Last line: ``fzero/torch
 tokens/s: <ratio>`` for the first row (1 rank, the first ``--dtype``, the first variant).
 
+On a CPU each row also gives every recipe's fresh MiB per step: the memory its step touched for
+the first time (minor page faults times the page size, rank 0), which the kernel must zero
+before the step can write it. glibc's malloc hands every allocation above its mmap threshold
+(at most 32 MiB) back to the kernel when it is freed, so a buffer of that size allocated every
+step is fresh pages every step; a GPU's caching allocator, and tcmalloc or jemalloc on a CPU
+(which ``python -m torch.backends.xeon.run_cpu`` preloads when it finds them), keep freed
+memory for the next allocation. ``--malloc caching`` runs the rows under glibc told to do the
+same (``MALLOC_CACHING``: both recipes, in a process of their own), ``--malloc glibc caching``
+both ways.
+
     python benchmarks/e2e.py                                     # CPU: --config small, FP32, 1 and 2 ranks
     python benchmarks/e2e.py --device cuda --config gpt2 --dtype fp16 bf16 --ranks 1
     python benchmarks/e2e.py --quick                             # a tiny rehearsal
@@ -25,6 +35,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,6 +63,10 @@ CONFIGS = {  # the main job's configs at its data's vocabulary (97 characters); 
     "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
 }
 LR, WEIGHT_DECAY = 3e-4, 0.1
+# glibc keeps freed memory in the process instead of unmapping it: no allocation is served by
+# mmap (threshold 4 GiB) and the heap is never trimmed back to the kernel.
+MALLOC_CACHING = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
+MALLOCS = {"glibc": None, "caching": MALLOC_CACHING}
 VARIANTS = {  # fzero recipes --variants can add beside the main job's
     "main": "the main job's make_train_step: compiled loss of the flat buffer + compiled step",
     "overlapped": "engine.grad_and_value (reduce-scatter inside eager backward) + compiled step",
@@ -115,7 +130,9 @@ def torch_recipe(cfg, dtype, batch, dev, world):
 def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
     """One step of the main job's train step (``examples/recipe.py: make_train_step``), or of a
     variant of it (``VARIANTS``)."""
-    engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True)  # as train.py
+    master = "params" if dtype == torch.float32 else "fp32"  # as train.py: no second FP32 copy of FP32 params
+    engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True,
+                         master=master)
     carry = list(engine.init(gpt.init(torch.Generator().manual_seed(0), cfg, device=dev)))
     loss_fn = functools.partial(gpt.loss, config=cfg)
     if variant == "main":
@@ -141,8 +158,25 @@ def block(step, steps: int, world: int):
     return run
 
 
+def fresh_mib(run) -> float:
+    """MiB of memory that ``run()`` touched for the first time: minor page faults x page size."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    run()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize() / 2**20
+
+
+def profile_table(run, rows: int) -> str:
+    """``torch.profiler``'s table of the ``rows`` ops with the most self CPU time in ``run()``
+    (inductor's kernels named, see ``--profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+
+
 def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
-    """tokens/s (over all ranks) of both recipes, alternated; peak GiB on a GPU."""
+    """tokens/s (over all ranks) of both recipes, alternated, and the fresh MiB per step of each."""
     cfg = CONFIGS[args.config]()
     dtype = DTYPES[dtype_name]
     T = args.seq or cfg.block_size
@@ -151,27 +185,37 @@ def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
     steps = {"torch": torch_recipe(cfg, dtype, batch, dev, world)}
     steps.update({v: fzero_main_job(cfg, dtype, batch, dev, world, v) for v in args.variants})
     # one untimed block each first (compile, first-call work), then they alternate
-    times = sample_times({name: block(step, args.steps, world) for name, step in steps.items()}, dev,
-                         iters=args.rounds, warmup=1)
+    blocks = {name: block(step, args.steps, world) for name, step in steps.items()}
+    times = sample_times(blocks, dev, iters=args.rounds, warmup=1)
     tokens = args.batch * T * args.steps * world
-    out = {"dtype": dtype_name, "ranks": world, "params": cfg.num_params(), "tokens_per_step": args.batch * T * world}
+    out = {"dtype": dtype_name, "ranks": world, "malloc": args.malloc[0], "params": cfg.num_params(),
+           "tokens_per_step": args.batch * T * world}
     for name, ts in times.items():
         out[f"{name}_tok_s"] = tokens / statistics.median(ts)
+        out[f"{name}_fresh_mib"] = fresh_mib(blocks[name]) / args.steps
     # the ratio within each round (the blocks ran back to back), then the median over rounds:
     # drift in the machine's speed cancels within a round
     for v in args.variants:
         out[f"{v}_ratio"] = statistics.median(t / f for t, f in zip(times["torch"], times[v]))
+    if args.profile and rank == 0:
+        for name, run in blocks.items():
+            print(f"\n{name}, {dtype_name}, {world} rank(s): ops by self CPU time over one block of {args.steps} steps")
+            print(profile_table(run, args.profile))
     out["fzero_tok_s"], out["ratio"] = out[f"{args.variants[0]}_tok_s"], out[f"{args.variants[0]}_ratio"]
     return out
 
 
-def run_ranks(args, world: int) -> list[dict]:
-    """The rows at ``world`` ranks: this script again under torchrun; rank 0's rows come back."""
+def run_child(args, world: int, malloc: str) -> list[dict]:
+    """The rows at ``world`` ranks under ``malloc`` (``MALLOCS``): this script again, in a process
+    of its own (under torchrun for 2+ ranks); rank 0's rows come back."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               os.path.abspath(__file__), *sys.argv[1:], "--child-out", out]
+        launch = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+        cmd = [sys.executable, *launch, os.path.abspath(__file__), *sys.argv[1:], "--malloc", malloc,
+               "--child-out", out]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() // world)))}
+        if MALLOCS[malloc]:
+            env["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), MALLOCS[malloc]]))
         subprocess.run(cmd, check=True, env=env)
         with open(out) as f:
             return json.load(f)
@@ -190,11 +234,18 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=["main"],
                     help="fzero recipes to measure, each against the torch recipe: " +
                     "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()) + " (default: main)")
+    ap.add_argument("--malloc", nargs="+", choices=MALLOCS, default=["glibc"],
+                    help="CPU allocator settings to run the rows under (see the module docstring): %(default)s")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="after the timing, print each recipe's top ROWS ops by self CPU time (torch.profiler; "
+                         "inductor's CPU kernels named)")
     ap.add_argument("--quick", action="store_true", help="a tiny rehearsal: nano config, 1 step per block")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--child-out", help=argparse.SUPPRESS)  # set when this script runs itself under torchrun
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    if args.profile:  # before anything compiles: each generated CPU kernel shows as an op of its own
+        torch._inductor.config.cpp.enable_kernel_profile = True
     args.config = args.config or ("nano" if args.quick else "gpt2" if cuda else "small")
     args.dtype = args.dtype or (["fp16", "bf16"] if cuda else ["fp32"])
     args.batch = args.batch or (16 if cuda else 2 if args.quick else 4)
@@ -202,7 +253,12 @@ def main(argv=None):
     args.steps = args.steps or (1 if args.quick else 10 if cuda else 3)
     args.rounds = args.rounds or (2 if args.quick else 9)
 
-    if args.child_out:  # one of the ranks of run_ranks
+    if args.child_out and "LOCAL_RANK" not in os.environ:  # run_child at 1 rank
+        rows = [measure(args, d, 1, 0, torch.device(args.device)) for d in args.dtype]
+        with open(args.child_out, "w") as f:
+            json.dump(rows, f)
+        return rows
+    if args.child_out:  # one of the ranks of run_child
         dev = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(dev)
@@ -216,16 +272,21 @@ def main(argv=None):
 
     dev = torch.device(args.device)
     rows = []
-    for world in args.ranks:
-        rows += [measure(args, d, 1, 0, dev) for d in args.dtype] if world == 1 else run_ranks(args, world)
+    for malloc in args.malloc:
+        for world in args.ranks:
+            here = world == 1 and not MALLOCS[malloc]  # this process runs under glibc's defaults
+            rows += [measure(args, d, 1, 0, dev) for d in args.dtype] if here else run_child(args, world, malloc)
     cfg = CONFIGS[args.config]()
     print(f"\nGPT '{args.config}' ({cfg.num_params() / 1e6:.2f}M params), {args.batch} x {args.seq or cfg.block_size} "
           f"tokens per rank per step, {hardware(dev)}; median of {args.rounds} alternating blocks of {args.steps} "
           f"steps\n")
-    print(table([[r["dtype"], r["ranks"], f"{r['torch_tok_s']:,.0f}"]
-                 + [x for v in args.variants for x in (f"{r[f'{v}_tok_s']:,.0f}", f"{r[f'{v}_ratio']:.2f}")] for r in rows],
-                ["dtype", "ranks", "torch recipe tok/s"]
-                + [x for v in args.variants for x in (f"fzero {v} tok/s", f"{v} / torch (paired)")]))
+    recipes = ["torch", *args.variants]
+    print(table([[r["dtype"], r["ranks"], r["malloc"], f"{r['torch_tok_s']:,.0f}"]
+                 + [x for v in args.variants for x in (f"{r[f'{v}_tok_s']:,.0f}", f"{r[f'{v}_ratio']:.2f}")]
+                 + [f"{r[f'{name}_fresh_mib']:.0f}" for name in recipes] for r in rows],
+                ["dtype", "ranks", "malloc", "torch recipe tok/s"]
+                + [x for v in args.variants for x in (f"fzero {v} tok/s", f"{v} / torch (paired)")]
+                + [f"{name} fresh MiB/step" for name in recipes]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "device": hardware(dev), "rows": rows}, f, indent=1)

@@ -18,7 +18,8 @@ the device (it should drop by the 12P/N of master and moments) and both step tim
 Formulas (bytes per rank, mixed-precision AdamW): DDP 16P; ZeRO-1 4P + 12P/N; ZeRO-2 2P + 14P/N;
 ZeRO-3 16P/N. The "BF16 + remainder" column is the optimizer state of a BF16 engine with
 ``master="remainder"`` (an int16 remainder below the BF16 params instead of the FP32 master):
-10P/N.
+10P/N; "FP32 + params" that of an FP32 engine with ``master="params"`` (the FP32 params' own
+shard is the master, no second copy): 8P/N.
 """
 from __future__ import annotations
 
@@ -91,12 +92,13 @@ def measure(P: int, N: int, device: torch.device, leaves: int = 16, replicas: in
     return out
 
 
-def remainder_state(P: int, N: int, device: torch.device, leaves: int = 16) -> int:
-    """Optimizer-state bytes of rank 0 of N (simulated) with BF16 params and
-    ``master="remainder"`` (int16 remainder instead of the FP32 master), after one step."""
+def master_state(P: int, N: int, device: torch.device, param_dtype: torch.dtype, master: str, leaves: int = 16) -> int:
+    """Optimizer-state bytes of rank 0 of N (simulated) with ``param_dtype`` params and
+    ``master`` (``"remainder"``: an int16 remainder instead of the FP32 master, BF16 params;
+    ``"params"``: the FP32 params' own shard), after one step."""
     sizes = [P // leaves] * (leaves - 1) + [P - (P // leaves) * (leaves - 1)]
-    init_params = {f"w{i}": torch.full((n,), 0.01, dtype=torch.bfloat16, device=device) for i, n in enumerate(sizes)}
-    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.bfloat16, simulate=(0, N), master="remainder")
+    init_params = {f"w{i}": torch.full((n,), 0.01, dtype=param_dtype, device=device) for i, n in enumerate(sizes)}
+    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=param_dtype, simulate=(0, N), master=master)
     params, state, ss = engine.init(init_params)
     del init_params
     grads = optree.tree_map(lambda p: torch.full_like(p, 1e-3), params)
@@ -156,7 +158,8 @@ def main(argv=None):
                 print(f"skip P={P:.3g} N={N}: ZeRO-1 needs {f['ZeRO-1'] / GB:.1f} GiB > --max-gib", file=sys.stderr)
                 continue
             m = measure(P, N, device)
-            m["state_remainder"] = remainder_state(P, N, device)
+            m["state_remainder"] = master_state(P, N, device, torch.bfloat16, "remainder")
+            m["state_params"] = master_state(P, N, device, torch.float32, "params")
             results.append({"P": P, "N": N, **f, **m})
             rows.append([
                 f"{P / 1e6:.0f}M", N,
@@ -164,13 +167,14 @@ def main(argv=None):
                 f"{m['held'] / GB:.2f}", f"{m['held'] / f['ZeRO-1']:.3f}",
                 f"{m['state'] / GB:.3f}", f"{12 * P / N / GB:.3f}",
                 f"{m['state_remainder'] / GB:.3f}", f"{10 * P / N / GB:.3f}",
+                f"{m['state_params'] / GB:.3f}", f"{8 * P / N / GB:.3f}",
                 f"{m['acc_stage1'] / GB:.3f}", f"{m['acc_stage2'] / GB:.3f}",
                 "-" if m["peak_step"] is None else f"{m['peak_step'] / GB:.2f}",
             ])
     print(f"\nGiB per rank; fzero measured on {hardware(device)} as rank 0 of N (simulated)\n")
     print(table(rows, ["P", "N", "DDP 16P", "ZeRO-1 4P+12P/N", "ZeRO-2 2P+14P/N", "ZeRO-3 16P/N",
                        "fzero held", "held / ZeRO-1", "fzero opt state", "12P/N",
-                       "opt state, BF16 + remainder", "10P/N",
+                       "opt state, BF16 + remainder", "10P/N", "opt state, FP32 + params", "8P/N",
                        "accum buf stage 1", "accum buf stage 2", "peak in step"]))
     off_rows = []
     for P in map(int, args.offload_sizes):

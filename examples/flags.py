@@ -40,9 +40,11 @@ def make_parser(**kwargs) -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="FILE", help="text file for the GPT (default: the Python standard library)")
     p.add_argument("--dtype", choices=DTYPES, default="fp16", help="param dtype (fp16: loss scaling): %(default)s")
     # (not "--master": torchrun would take that for an abbreviation of its --master-addr/-port)
-    p.add_argument("--keep-master", choices=["fp32", "remainder"], default="fp32",
-                   help="how the optimizer keeps the FP32 master: fp32 (4 bytes/param), or remainder (--dtype bf16: "
-                        "the BF16 params + an int16 remainder, 2 bytes, the same training bit for bit): %(default)s")
+    p.add_argument("--keep-master", choices=["fp32", "remainder", "params"],
+                   help="how the optimizer keeps the FP32 master: fp32 (4 bytes/param), remainder (--dtype bf16: "
+                        "the BF16 params + an int16 remainder, 2 bytes), or params (--dtype fp32: the params "
+                        "themselves, 0 bytes); the same training bit for bit (default: params with --dtype fp32, "
+                        "else fp32)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps: %(default)s")
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, sequences: %(default)s")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, warmup then cosine to 1/10: %(default)s")
@@ -144,8 +146,12 @@ def check_args(args, world: int, given: set[str] | None = None) -> dict | None:
         if replicas * shards != world:
             raise UsageError(f"--mesh {args.mesh} needs {replicas * shards} ranks, this run has {world}")
         args.mesh = (replicas, shards)
+    args.keep_master = keep_master(args)
     if args.keep_master == "remainder" and args.dtype != "bf16":
         raise UsageError("--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, "
+                         f"got --dtype {args.dtype}")
+    if args.keep_master == "params" and args.dtype != "fp32":
+        raise UsageError("--keep-master params takes the FP32 params as the master: it needs --dtype fp32, "
                          f"got --dtype {args.dtype}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
@@ -188,6 +194,12 @@ def against_checkpoint(name: str, value, saved) -> str:
     return f"{flag(name, value)} (checkpoint: {'none' if saved is None else saved})"
 
 
+def keep_master(args) -> str:
+    """``--keep-master``, or its default: the FP32 params themselves with ``--dtype fp32`` (an
+    FP32 master beside them would be a second copy), else an FP32 master."""
+    return args.keep_master or ("params" if args.dtype == "fp32" else "fp32")
+
+
 def training_flags(args) -> dict:
     """The training flags of ``args`` as a checkpoint records them: the defaults that depend on
     ``--model`` filled in, None for the other model's flags, ``--data`` as an absolute path, a
@@ -197,7 +209,7 @@ def training_flags(args) -> dict:
     flags.update(config=config if is_gpt else None,
                  block_size=(args.block_size or GPT_CONFIGS[config]().block_size) if is_gpt else None,
                  mlp_dims=None if is_gpt else ",".join(d.strip() for d in (args.mlp_dims or MLP_DIMS).split(",")),
-                 data=os.path.abspath(args.data) if is_gpt and args.data else None)
+                 data=os.path.abspath(args.data) if is_gpt and args.data else None, keep_master=keep_master(args))
     return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in flags.items()}
 
 

@@ -105,7 +105,8 @@ def main(argv=None):
             print(resume_line(resume))
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
-        kept = "int16 master remainder" if args.keep_master == "remainder" else "FP32 master"
+        kept = {"remainder": "int16 master remainder", "params": "the FP32 params as master"}.get(args.keep_master,
+                                                                                                "FP32 master")
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 moments + the decay mask, 1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
 

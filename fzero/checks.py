@@ -55,11 +55,12 @@ def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, buck
         raise ValueError(f"call_timeout must be a positive number of seconds, got {call_timeout!r}")
 
 
-def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: int, tx_leaves, tx_spec, *,
+def check_state(state: Any, scaler_state: Any, state_type: type, master_numel: int, tx_leaves, tx_spec, *,
                 master_dtype: torch.dtype, compiled: bool) -> None:
     """``state``/``scaler_state`` must be what this engine's ``init``/``step`` returned: a
-    ``state_type`` whose master is the ``[shard_numel]`` shard of ``master_dtype`` (its storage's,
-    ``fzero.storage``: FP32, or the int16 remainder of ``master="remainder"``) and whose transform state
+    ``state_type`` whose master is ``[master_numel]`` of ``master_dtype`` (its storage's,
+    ``fzero.storage``: the FP32 shard, the int16 remainder of ``master="remainder"``, or empty
+    with ``master="params"``) and whose transform state
     has the ``tx_leaves`` ``(path, shape, dtype)`` and structure ``tx_spec`` that ``init`` built
     (static facts only: no host sync, nothing traced; ``compiled``: traced by ``torch.compile``)."""
     if not isinstance(state, state_type):
@@ -68,8 +69,8 @@ def check_state(state: Any, scaler_state: Any, state_type: type, shard_numel: in
         raise TypeError(f"scaler_state must be the LossScaleState from this engine's init/step, "
                         f"got {type(scaler_state).__name__}")
     m = state.master
-    if not isinstance(m, torch.Tensor) or m.shape != (shard_numel,) or m.dtype != master_dtype:
-        raise ValueError(f"state.master is {_describe(m)}, this engine's shard is ({shard_numel},) {master_dtype}: "
+    if not isinstance(m, torch.Tensor) or m.shape != (master_numel,) or m.dtype != master_dtype:
+        raise ValueError(f"state.master is {_describe(m)}, this engine's is ({master_numel},) {master_dtype}: "
                          "the state of another engine (another model, world size, layout or master=)?")
     paths, leaves, spec = leaf_paths(state.tx_state)
     # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked.

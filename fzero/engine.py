@@ -6,7 +6,8 @@ Per rank, with P parameter elements, N ranks and S = padded P / N:
   (2P bytes for FP16/BF16), identical on every rank;
 * ``state.master``: this rank's ``[S]`` FP32 master shard, plus the transform's state on it
   (AdamW: two more FP32 ``[S]`` moments) -- 12S bytes, never 12P (on the host with
-  ``offload="cpu"``);
+  ``offload="cpu"``); as ``fzero.storage`` keeps it: 10S with ``master="remainder"`` (BF16
+  params), 8S with ``master="params"`` (FP32 params: their own shard is the master);
 * ``scaler_state``: the 0-d loss-scale tensors.
 
 The step is pure unless ``donate=True``: it returns new params/state and leaves its inputs
@@ -163,10 +164,10 @@ class Engine:
     # ------------------------------------------------------------------ the master's storage
     def with_fp32_master(self, params: Any, state: ZeroState, *, where: str = "engine.with_fp32_master") -> ZeroState:
         """``state`` with its FP32 master shard: with ``master="remainder"`` rebuilt, exactly,
-        from this rank's shard of ``params`` (pytree or flat buffer) and the remainder; the
-        state itself otherwise. Raises (naming ``where``) if ``params`` were edited in place
-        since the engine returned them, or, with the remainder, come from another step
-        (``fzero.lineage``)."""
+        from this rank's shard of ``params`` (pytree or flat buffer) and the remainder; with
+        ``"params"`` that shard itself; the state itself otherwise. Raises (naming ``where``)
+        if ``params`` were edited in place since the engine returned them, or, with a master
+        read from the params, come from another step (``fzero.lineage``)."""
         mode = self._begin(params)[1]
         lineage.check(params, state.master, where=where, same_step=self.storage.reads_params)
         return self._full(params, state, mode)
@@ -174,7 +175,8 @@ class Engine:
     def stored(self, state: ZeroState, params_shard: torch.Tensor) -> ZeroState:
         """What the state keeps of ``state``, whose master is FP32 and whose params shard (that
         master cast to ``param_dtype``) is ``params_shard``: ``fzero.storage``'s ``store`` (the
-        int16 remainder with ``master="remainder"``, the state itself with ``"fp32"``)."""
+        int16 remainder with ``master="remainder"``, an empty tensor with ``"params"``, the state
+        itself with ``"fp32"``)."""
         return state._replace(master=self.storage.store(state.master, params_shard))
 
     def _full(self, params: Any, state: ZeroState, mode: StepMode) -> ZeroState:
@@ -202,10 +204,11 @@ class Engine:
         """
         b, mode = self._begin(params)
         path = b.grads
-        checks.check_state(state, scaler_state, ZeroState, path.layout.shard_numel, b.tx_leaves, b.tx_spec,
+        checks.check_state(state, scaler_state, ZeroState, self.storage.numel(path.layout.shard_numel), b.tx_leaves,
+                           b.tx_spec,
                            master_dtype=self.storage.dtype, compiled=mode.compiled)
         lineage.check(params, state.master, where="engine.step", same_step=self.storage.reads_params)
-        given, state = state, self._full(params, state, mode)  # the FP32 master (remainder: joined)
+        given, state = state, self._full(params, state, mode)  # the FP32 master (remainder: joined; params: theirs)
 
         reduced = stages.reduce(path, grads, mode)
         checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self.tx, state.tx_state, mode)

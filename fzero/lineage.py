@@ -17,7 +17,7 @@ base's), so ``check`` can tell, with no device work and no sync:
 
 * buffer written, master not: the params were edited -> ``ParamsEditedError``;
 * the two tickets differ: the params were written with another state -> ``ValueError``
-  (checked where the params are read: the remainder master);
+  (checked where the params are read: the remainder master, the params as master);
 * both written (a compiled step with ``donate`` wrote them in place), or either unmarked
   (a compiled step's new tensors, a clone): nothing is known, nothing is raised.
 
@@ -97,8 +97,8 @@ def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> 
             raise ValueError(
                 f"{where}: these params were not written together with this state (they come from another "
                 "init/step/load, e.g. init's params with a later step's state): with master='remainder' the FP32 "
-                "master is rebuilt from the params, so it would be wrong. Pass the params and state that the same "
-                "call returned.")
+                "master is rebuilt from the params, with master='params' it is the params, so it would be wrong. "
+                "Pass the params and state that the same call returned.")
         return
     if buf._version != m.buffer_version and master._version == m.master_version:
         raise ParamsEditedError(

@@ -68,6 +68,10 @@ def zero1(
         params only): an int16 ``[S]`` remainder below this rank's BF16 params shard instead,
         2S bytes, from which the step rebuilds the exact FP32 master and into which it splits
         it again (``fzero.remainder``): the same training bit for bit, state 10S instead of 12S.
+        ``"params"`` (FP32 params only): no stored master, the params' own FP32 shard is the
+        master (``state.master`` is empty): the same training bit for bit, state 8S instead of
+        12S, and a step that reads and writes 8 bytes per element less. With ``"remainder"``
+        and ``"params"`` the step needs the params and state that the same call returned.
       call_timeout: seconds a collective call off the hot path (``init``, ``load_params``,
         ``time_collectives``, the ``fzero.checkpoint`` functions) waits for every rank to reach
         it; then every waiting rank raises naming the ranks that did not (default 60). A rank in

@@ -4,7 +4,8 @@ The step works on FP32 values. What the state keeps of them between steps is the
 choice, made once (``zero1(master=...)``) and asked nothing at run time: the engine calls the
 same four members whatever the storage is.
 
-* ``dtype``: the stored tensor's dtype (what ``check_state`` expects of ``state.master``);
+* ``dtype``, ``numel(S)``: the stored tensor's dtype and length (what ``check_state`` expects of
+  ``state.master``);
 * ``full(stored, params_shard) -> FP32``: the value the step works on, rebuilt from what is
   stored. ``params_shard`` is a zero-argument function returning this rank's ``[S]`` params
   shard; only a storage with ``reads_params`` calls it (reading the params of a pytree can mean
@@ -20,7 +21,9 @@ A storage of the optimizer's moments (8-bit or BF16 Adam moments) has the same m
 * ``FP32Master`` (``master="fp32"``): the FP32 master itself, 4S bytes;
 * ``RemainderMaster`` (``master="remainder"``, BF16 params only): the int16 remainder below this
   rank's BF16 params shard, 2S bytes, from which the exact FP32 master is rebuilt
-  (``fzero.remainder``).
+  (``fzero.remainder``);
+* ``ParamsMaster`` (``master="params"``, FP32 params only): nothing; the params' own FP32 shard
+  is the master (an FP32 master beside FP32 params would be a second copy of the same values).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import torch
 
 from .remainder import join, split
 
-__all__ = ["FP32Master", "RemainderMaster", "MASTERS", "master_storage"]
+__all__ = ["FP32Master", "RemainderMaster", "ParamsMaster", "MASTERS", "master_storage"]
 
 ParamsShard = Callable[[], torch.Tensor]
 
@@ -41,6 +44,9 @@ class FP32Master:
     name = "fp32"
     dtype = torch.float32
     reads_params = False
+
+    def numel(self, shard_numel: int) -> int:
+        return shard_numel
 
     def full(self, stored: torch.Tensor, params_shard: ParamsShard) -> torch.Tensor:
         return stored
@@ -60,6 +66,9 @@ class RemainderMaster:
     dtype = torch.int16
     reads_params = True
 
+    def numel(self, shard_numel: int) -> int:
+        return shard_numel
+
     def full(self, stored: torch.Tensor, params_shard: ParamsShard) -> torch.Tensor:
         return join(params_shard().to(stored.device), stored)
 
@@ -70,14 +79,39 @@ class RemainderMaster:
         return "RemainderMaster()"
 
 
-MASTERS = {"fp32": FP32Master(), "remainder": RemainderMaster()}
+class ParamsMaster:
+    """No stored master: the FP32 params shard is the master. ``state.master`` is an empty FP32
+    tensor (``[0]``), kept so that the state has the same structure in every mode."""
+
+    name = "params"
+    dtype = torch.float32
+    reads_params = True
+
+    def numel(self, shard_numel: int) -> int:
+        return 0
+
+    def full(self, stored: torch.Tensor, params_shard: ParamsShard) -> torch.Tensor:
+        return params_shard().to(stored.device)
+
+    def store(self, value: torch.Tensor, params_shard: torch.Tensor) -> torch.Tensor:
+        return value.new_empty(0)
+
+    def __repr__(self) -> str:
+        return "ParamsMaster()"
 
 
-def master_storage(master: str, param_dtype: torch.dtype) -> FP32Master | RemainderMaster:
-    """The storage of ``zero1(master=...)``: ``"fp32"``, or ``"remainder"`` with BF16 params."""
+MASTERS = {"fp32": FP32Master(), "remainder": RemainderMaster(), "params": ParamsMaster()}
+_NEEDS = {"remainder": (torch.bfloat16, "stores the FP32 master as the BF16 params plus an int16 remainder"),
+          "params": (torch.float32, "takes the FP32 params' own shard as the master")}
+
+
+def master_storage(master: str, param_dtype: torch.dtype) -> FP32Master | RemainderMaster | ParamsMaster:
+    """The storage of ``zero1(master=...)``: ``"fp32"``; ``"remainder"`` with BF16 params;
+    ``"params"`` with FP32 params."""
     if master not in MASTERS:
-        raise ValueError(f"master must be 'fp32' or 'remainder', got {master!r}")
-    if master == "remainder" and param_dtype != torch.bfloat16:
-        raise ValueError(f"master='remainder' stores the FP32 master as the BF16 params plus an int16 remainder: it needs "
-                         f"param_dtype=torch.bfloat16, got {param_dtype} (use master='fp32')")
+        raise ValueError(f"master must be 'fp32', 'remainder' or 'params', got {master!r}")
+    if master in _NEEDS and param_dtype != _NEEDS[master][0]:
+        need, what = _NEEDS[master]
+        raise ValueError(f"master={master!r} {what}: it needs param_dtype={need}, got {param_dtype} "
+                         "(use master='fp32')")
     return MASTERS[master]

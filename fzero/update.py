@@ -193,7 +193,8 @@ def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip
         lo = i * chunk
         state_chunk = spec.unflatten([x if v is None else v[i] for x, v in zip(leaves, parts)])
         fused.kernel(m, g.fp32(lo, lo + m.numel(), m.device), state_chunk)
-        cast_params(m, param_dtype, out=o)
+        if o.data_ptr() != m.data_ptr():  # else the master is the params (``master="params"``), updated
+            cast_params(m, param_dtype, out=o)
     # the [S] tensors the kernel wrote, the 0-d leaves of the fused step's state
     return master, optree.tree_map(lambda full, new: full if is_shard(full) else new, tx_state, fused.state), out
 

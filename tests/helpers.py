@@ -78,6 +78,31 @@ def grads_like(params, seed, scale=1.0):
     return optree.tree_map(lambda p: torch.randn(p.shape, generator=g) * scale, params)
 
 
+def master_tx():
+    """The transform the master-storage tests train with: clipping, AdamW with decay on matrices."""
+    return transforms.chain(transforms.clip_by_global_norm(0.5),
+                            transforms.adamw(lr=1e-2, weight_decay=0.1,
+                                             weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)))
+
+
+def train_with_master(master, param_dtype, *, steps, bad_step, compiled=False, donate=False, rank=0, engine_kw=None):
+    """``steps`` steps of ``master_tx`` on ``odd_params`` in ``param_dtype`` with ``zero1(master=
+    master)``, the grads of step ``s`` those of seed ``10 * s + rank`` times 3, one of them inf at
+    ``bad_step`` (a skipped step): ``(engine, params, state, history, scaler_state)``, ``history``
+    the flat params and ``found_inf`` after each step."""
+    engine = fzero.zero1(master_tx(), param_dtype=param_dtype, master=master, donate=donate, **(engine_kw or {}))
+    params, state, ss = engine.init(odd_params())
+    step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
+    history = []
+    for s in range(steps):
+        grads = optree.tree_map(lambda x: (x * 3).to(param_dtype), grads_like(odd_params(), 10 * s + rank))
+        if s == bad_step:
+            grads["w"][0, 0] = float("inf")
+        params, state, ss, info = step(params, grads, state, ss)
+        history.append((fzero.flatten(params, engine.layout).clone(), info["found_inf"].clone()))
+    return engine, params, state, history, ss
+
+
 def torch_adamw(params, grads_list, **kw):
     leaves, spec = optree.tree_flatten(params)
     ps = [torch.nn.Parameter(p.clone()) for p in leaves]

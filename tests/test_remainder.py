@@ -8,10 +8,9 @@ import torch
 
 import fzero
 import fzero.checkpoint
-from fzero import transforms
 from distributed import run_ranks
 from fzero.remainder import join, round_bf16, split
-from helpers import grads_like, load_train_module, odd_params
+from helpers import grads_like, load_train_module, master_tx, odd_params, train_with_master
 
 STEPS, BAD_STEP = 30, 7
 
@@ -60,24 +59,12 @@ def test_cast_params_rounds_bf16_the_same_way():
     assert torch.equal(fzero.engine.cast_params(m, torch.bfloat16).view(torch.int16), round_bf16(m).view(torch.int16))
 
 
-def tx():
-    return transforms.chain(transforms.clip_by_global_norm(0.5),
-                            transforms.adamw(lr=1e-2, weight_decay=0.1,
-                                             weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)))
+tx = master_tx
 
 
 def train(master, *, compiled=False, donate=False, rank=0, steps=STEPS, engine_kw=None):
-    engine = fzero.zero1(tx(), param_dtype=torch.bfloat16, master=master, donate=donate, **(engine_kw or {}))
-    params, state, ss = engine.init(odd_params())
-    step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
-    history = []
-    for s in range(steps):
-        grads = optree.tree_map(lambda x: (x * 3).to(torch.bfloat16), grads_like(odd_params(), 10 * s + rank))
-        if s == BAD_STEP:
-            grads["w"][0, 0] = float("inf")  # a skipped step
-        params, state, ss, info = step(params, grads, state, ss)
-        history.append((fzero.flatten(params, engine.layout).clone(), info["found_inf"].clone()))
-    return engine, params, state, history, ss
+    return train_with_master(master, torch.bfloat16, steps=steps, bad_step=BAD_STEP, compiled=compiled, donate=donate,
+                             rank=rank, engine_kw=engine_kw)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -170,7 +157,7 @@ def test_remainder_trains_the_main_job_bit_for_bit_like_an_fp32_master(world_siz
 def test_remainder_needs_bf16_params():
     with pytest.raises(ValueError, match="needs param_dtype=torch.bfloat16, got torch.float16"):
         fzero.zero1(tx(), param_dtype=torch.float16, master="remainder")
-    with pytest.raises(ValueError, match="master must be 'fp32' or 'remainder', got 'fp16'"):
+    with pytest.raises(ValueError, match="master must be 'fp32', 'remainder' or 'params', got 'fp16'"):
         fzero.zero1(tx(), param_dtype=torch.bfloat16, master="fp16")
 
 

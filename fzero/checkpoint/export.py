@@ -58,8 +58,9 @@ def export_full(path, params_or_state, engine: Engine) -> None:
     path = os.path.abspath(os.fspath(path))
     if isinstance(params_or_state, ZeroState):
         master = params_or_state.master
-        if master.dtype != torch.float32:
-            raise CheckpointError(f"state.master is {master.dtype}, not the FP32 master (an engine with master='remainder'?): "
+        if master.dtype != torch.float32 or master.numel() == 0:  # the remainder; the params' (master="params")
+            raise CheckpointError(f"state.master is {tuple(master.shape)} {master.dtype}, not the FP32 master (an engine "
+                                  "with master='remainder' or 'params'?): "
                                   "export_full(path, engine.with_fp32_master(params, state), engine)")
         if master.shape != (layout.shard_numel,):
             raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
