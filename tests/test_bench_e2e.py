@@ -1,6 +1,9 @@
 """benchmarks/e2e.py's allocator settings and its fresh-pages measure: under glibc's defaults a
 buffer above the mmap threshold is fresh pages every time it is allocated; under ``--malloc
-caching`` (``MALLOC_CACHING``) the second allocation reuses the first one's pages."""
+caching`` (``MALLOC_CACHING``) the heap grows to its steady size within the first few
+allocations (small objects allocated in between may take the start of a freed region, so the
+next large one extends the heap once or twice more: never after the third of 8 in 90 runs), then every
+allocation reuses pages it had -- as e2e.py measures, after its warm-up."""
 import json
 import os
 import sys
@@ -14,7 +17,7 @@ import json, sys, torch
 sys.path.insert(0, "benchmarks")
 from e2e import fresh_mib
 touch = lambda: torch.ones(16 * 2**20)  # 64 MiB, above glibc's largest mmap threshold (32 MiB)
-print(json.dumps([fresh_mib(touch) for _ in range(3)]))
+print(json.dumps([fresh_mib(touch) for _ in range(8)]))
 """
 
 
@@ -35,4 +38,4 @@ def test_a_64_mib_buffer_is_fresh_pages_every_time_unless_the_allocator_caches(m
     if malloc == "glibc":
         assert all(m >= 63 for m in mib), mib  # every allocation faults in all of its 64 MiB
     else:
-        assert mib[0] >= 63 and max(mib[1:]) < 1, mib  # the heap grows once, then its pages are reused
+        assert mib[0] >= 63 and max(mib[4:]) < 1, mib  # the heap reaches its size, then its pages are reused
