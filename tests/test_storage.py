@@ -145,3 +145,19 @@ def test_the_params_as_master_refuse_params_of_another_step():
     params, state, ss, _ = engine.step(p0, grads_like(odd_params(), 1), state, ss)
     with pytest.raises(ValueError, match="not written together with this state"):
         engine.step(p0, grads_like(odd_params(), 2), state, ss)
+
+
+@pytest.mark.parametrize("chunk_numel", [None, 64], ids=["whole", "chunks"])
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+def test_the_params_as_master_with_a_transform_that_has_no_fused_form(chunk_numel, donate):
+    """SGD with momentum runs the generic update (whole or chunk by chunk), writing the params'
+    own buffer with ``donate``: the same params, bit for bit, as an FP32 master."""
+    out = {}
+    for master in ("fp32", "params"):
+        engine = fzero.zero1(transforms.sgd(lr=0.1, momentum=0.9), param_dtype=torch.float32, master=master,
+                             donate=donate, chunk_numel=chunk_numel)
+        params, state, ss = engine.init(odd_params())
+        for s in range(4):
+            params, state, ss, _ = engine.step(params, grads_like(odd_params(), s), state, ss)
+        out[master] = fzero.flatten(params, engine.layout)
+    assert torch.equal(out["fp32"], out["params"])
