@@ -93,7 +93,7 @@ def test_remainder_on_two_ranks_equals_fp32_master():
         assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(r["fp32"]), optree.tree_leaves(r["remainder"])))
 
 
-MAIN_JOB_STEPS = 200
+MAIN_JOB_STEPS = 100
 
 
 def main_job(rank, world_size, compiled):
@@ -121,7 +121,7 @@ def main_job(rank, world_size, compiled):
         history = []
         for s in range(MAIN_JOB_STEPS):
             batch = tuple(t[lo:hi] for t in data.get_batch("train", s, args.batch_size, args.seed))
-            spike.fill_(float("inf") if s % 25 == 7 else 0.0)
+            spike.fill_(float("inf") if s % 20 == 7 else 0.0)
             params, state, ss, value, info = step(params, state, ss, batch)
             bits = fzero.flatten(params, engine.layout).view(torch.int16).numpy().tobytes()
             norm = info["grad_norm"].float()  # compared by its bits: NaN on a skipped step
@@ -137,14 +137,14 @@ def main_job(rank, world_size, compiled):
 @pytest.mark.parametrize("world_size,compiled", [(1, False), (2, False), (2, True)],
                          ids=["1-eager", "2-eager", "2-compiled"])  # compiled: the costly one, at 2 ranks only
 def test_remainder_trains_the_main_job_bit_for_bit_like_an_fp32_master(world_size, compiled):
-    """200 steps of the main job in BF16, with overflow skips all through and the grad norm
+    """100 steps of the main job in BF16, with overflow skips all through and the grad norm
     clipped: the remainder master gives the same losses, skips, grad norms and params at every
     step, and the same FP32 master and moments at the end, as the FP32 master."""
     for rank, r in enumerate(run_ranks(main_job, world_size, compiled, timeout=600)):
         ref, got = r["fp32"], r["remainder"]
         skips = sum(found_inf for _, found_inf, _, _, _ in ref["history"])
         clipped = sum(norm > 0.5 for _, _, norm, _, _ in ref["history"])
-        assert skips >= 5 and clipped >= 100, (skips, clipped)  # both paths really taken
+        assert skips >= 5 and clipped >= 50, (skips, clipped)  # both paths really taken
         for s, (a, b) in enumerate(zip(ref["history"], got["history"])):
             assert a[:2] + a[3:] == b[:2] + b[3:], \
                 f"rank {rank} step {s}: (loss, found_inf, grad norm, its bits, params digest) {a} != {b}"
