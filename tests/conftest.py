@@ -17,6 +17,7 @@ read by ``distributed.run_ranks`` and ``helpers.run_script``), so the fast tier 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import fzero.checkpoint
 from helpers import ckpt_engine, ckpt_trained, ready_engine
@@ -38,6 +39,16 @@ def tier_of(item) -> str:
 @pytest.fixture(autouse=True)
 def _tier(request, monkeypatch):
     monkeypatch.setenv("FZERO_TEST_TIER", tier_of(request.node))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test starts with dynamo's caches empty. Each engine's ``step`` is the same code
+    object, so the compiled steps of earlier tests in the same process would count toward
+    dynamo's limit of 8 compilations per code object (past it, dynamo runs the function eagerly),
+    and a test's compile count would depend on which tests ran before it. Inductor's cache of
+    compiled kernels is on disk and stays warm."""
+    torch._dynamo.reset()
 
 
 @pytest.fixture
