@@ -59,6 +59,9 @@ from reporting import (LogWindow, Progress, config_record, dir_bytes, make_profi
                        sha256, summarize, warn_stuck)
 
 
+KEPT_MASTER = {"fp32": "FP32 master", "remainder": "int16 master remainder", "params": "the FP32 params as master"}
+
+
 def main(argv=None):
     args = parse_args(argv, description=__doc__)
     # Every bad flag fails here, before any rank joins a group or builds a model: one line, from
@@ -105,8 +108,7 @@ def main(argv=None):
             print(resume_line(resume))
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
-        kept = {"remainder": "int16 master remainder", "params": "the FP32 params as master"}.get(args.keep_master,
-                                                                                                "FP32 master")
+        kept = KEPT_MASTER[args.keep_master]
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 moments + the decay mask, 1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
 

@@ -204,8 +204,8 @@ class Engine:
         """
         b, mode = self._begin(params)
         path = b.grads
-        checks.check_state(state, scaler_state, ZeroState, self.storage.numel(path.layout.shard_numel), b.tx_leaves,
-                           b.tx_spec,
+        master_numel = self.storage.numel(path.layout.shard_numel)
+        checks.check_state(state, scaler_state, ZeroState, master_numel, b.tx_leaves, b.tx_spec,
                            master_dtype=self.storage.dtype, compiled=mode.compiled)
         lineage.check(params, state.master, where="engine.step", same_step=self.storage.reads_params)
         given, state = state, self._full(params, state, mode)  # the FP32 master (remainder: joined; params: theirs)
