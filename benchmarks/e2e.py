@@ -253,21 +253,20 @@ def main(argv=None):
     args.steps = args.steps or (1 if args.quick else 10 if cuda else 3)
     args.rounds = args.rounds or (2 if args.quick else 9)
 
-    if args.child_out and "LOCAL_RANK" not in os.environ:  # run_child at 1 rank
-        rows = [measure(args, d, 1, 0, torch.device(args.device)) for d in args.dtype]
-        with open(args.child_out, "w") as f:
-            json.dump(rows, f)
-        return rows
-    if args.child_out:  # one of the ranks of run_child
-        dev = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if cuda else "gloo")
-        rows = [measure(args, d, dist.get_world_size(), dist.get_rank(), dev) for d in args.dtype]
-        if dist.get_rank() == 0:
+    if args.child_out:  # run_child's process: a rank under torchrun, or the one process of 1 rank
+        ranked = "LOCAL_RANK" in os.environ
+        dev = torch.device(args.device, int(os.environ["LOCAL_RANK"])) if cuda and ranked else torch.device(args.device)
+        if ranked:
+            if cuda:
+                torch.cuda.set_device(dev)
+            dist.init_process_group("nccl" if cuda else "gloo")
+        world, rank = (dist.get_world_size(), dist.get_rank()) if ranked else (1, 0)
+        rows = [measure(args, d, world, rank, dev) for d in args.dtype]
+        if rank == 0:
             with open(args.child_out, "w") as f:
                 json.dump(rows, f)
-        fzero.shutdown()
+        if ranked:
+            fzero.shutdown()
         return rows
 
     dev = torch.device(args.device)

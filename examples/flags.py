@@ -194,10 +194,15 @@ def against_checkpoint(name: str, value, saved) -> str:
     return f"{flag(name, value)} (checkpoint: {'none' if saved is None else saved})"
 
 
-def keep_master(args) -> str:
-    """``--keep-master``, or its default: the FP32 params themselves with ``--dtype fp32`` (an
+def default_master(param_dtype: torch.dtype) -> str:
+    """The master the main job keeps for ``param_dtype`` params: the FP32 params themselves (an
     FP32 master beside them would be a second copy), else an FP32 master."""
-    return args.keep_master or ("params" if args.dtype == "fp32" else "fp32")
+    return "params" if param_dtype == torch.float32 else "fp32"
+
+
+def keep_master(args) -> str:
+    """``--keep-master``, or its default for ``--dtype`` (``default_master``)."""
+    return args.keep_master or default_master(DTYPES[args.dtype])
 
 
 def training_flags(args) -> dict:
