@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -69,6 +70,7 @@ MALLOC_CACHING = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_thres
 MALLOCS = {"glibc": None, "caching": MALLOC_CACHING}
 VARIANTS = {  # fzero recipes --variants can add beside the main job's
     "main": "the main job's make_train_step: compiled loss of the flat buffer + compiled step",
+    "grads-buffer": "compiled loss of the params, grads laid out into a flat buffer kept across steps + compiled step",
     "overlapped": "engine.grad_and_value (reduce-scatter inside eager backward) + compiled step",
 }
 
@@ -137,6 +139,8 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
     loss_fn = functools.partial(gpt.loss, config=cfg)
     if variant == "main":
         train_step = make_train_step(engine, loss_fn, compile=True)
+    elif variant == "grads-buffer":
+        train_step = grads_buffer_train_step(engine, loss_fn)
     else:  # "overlapped": engine.grad_and_value (reduce-scatter inside eager backward), compiled step
         train_step = overlapped_train_step(engine, loss_fn, torch.compile(engine.step, fullgraph=True))
 
@@ -144,6 +148,31 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)
 
     return step
+
+
+def grads_buffer_train_step(engine, loss_fn):
+    """``make_train_step``'s step with the loss a compiled function of the params (as a torch
+    user compiles a module) and its per-leaf grads laid out into one flat grads buffer that the
+    step allocates once and overwrites every step (``fzero.flatten(..., out=)``), for the
+    compiled step on the flat param buffer: no new flat grads buffer each step (on a CPU, fresh
+    pages above glibc's mmap threshold), at the cost of an eager pass that lays the grads out."""
+    optimizer_step = torch.compile(engine.step, fullgraph=True)
+    compiled_loss = torch.compile(loss_fn)
+    grads_buffer: list[torch.Tensor] = []
+
+    def train_step(params, state, scaler_state, batch):
+        flat = engine.flat_params(params)
+        leaves = optree.tree_map(lambda p: p.detach().requires_grad_(), params)  # views of the buffer: no copy
+        loss = compiled_loss(leaves, batch)
+        grads = torch.autograd.grad(fzero.scale_loss(loss, scaler_state), optree.tree_leaves(leaves),
+                                    allow_unused=True, materialize_grads=True)
+        if not grads_buffer:
+            grads_buffer.append(torch.zeros_like(flat))
+        flat_grads = fzero.flatten(grads, engine.layout, out=grads_buffer[0])
+        flat, state, scaler_state, info = optimizer_step(flat, flat_grads, state, scaler_state)
+        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
+
+    return train_step
 
 
 def block(step, steps: int, world: int):

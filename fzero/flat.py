@@ -206,9 +206,11 @@ def make_layout(
     return Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
 
 
-def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """The leaves copied into one new ``[world_size * S_b]`` buffer per bucket, in ``dtype``
-    (default: the first leaf's), zero-padded.
+def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None,
+                    out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The leaves copied into one ``[world_size * S_b]`` buffer per bucket, in ``dtype``
+    (default: the first leaf's, or ``out``'s), zero-padded: new buffers, or with ``out`` (a
+    ``[padded_numel]`` buffer, eager only) its bucket views, written in place.
 
     A bucket's buffer depends only on its own leaves, so its reduce-scatter can start as soon
     as those grads exist. Eager mode casts while it copies (``torch.cat(out=)``); under
@@ -216,26 +218,36 @@ def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = No
     better than fusing a many-way select into the step's kernel).
     """
     leaves = optree.tree_leaves(tree)
-    dtype = dtype or leaves[0].dtype
+    if out is not None:
+        if compiling():
+            raise ValueError("flatten(out=...) is eager only: under torch.compile, use the returned buffer")
+        if out.shape != (layout.padded_numel,):
+            raise ValueError(f"out has shape {tuple(out.shape)}, the layout needs ({layout.padded_numel},)")
+    dtype = dtype or (leaves[0].dtype if out is None else out.dtype)
     device = leaves[0].device
-    out = []
-    for b in layout.buckets:
+    targets = split_buckets(out, layout) if out is not None else [None] * len(layout.buckets)
+    result = []
+    for b, target in zip(layout.buckets, targets):
         size = layout.world_size * b.shard
         parts = [leaves[i].reshape(-1) for i in b.leaves]
         parts.append(torch.zeros(size - b.numel, dtype=dtype, device=device))
         if compiling():
-            out.append(torch.cat([p.to(dtype) for p in parts]))
+            result.append(torch.cat([p.to(dtype) for p in parts]))
         else:
-            out.append(torch.cat(parts, out=torch.empty(size, dtype=dtype, device=device)))
-    return out
+            target = torch.empty(size, dtype=dtype, device=device) if target is None else target
+            result.append(torch.cat(parts, out=target))
+    return result
 
 
-def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Copy the leaves into a new ``[padded_numel]`` buffer of ``dtype`` (default: first leaf's).
+def flatten(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the leaves into a new ``[padded_numel]`` buffer of ``dtype`` (default: first leaf's),
+    or into ``out`` (eager only), which is returned: a buffer written in place every step is
+    allocated once (on a CPU, a new buffer above glibc's mmap threshold is fresh pages from
+    the kernel every time).
 
     Padding is zero, so it never contributes to sums or norms."""
-    buckets = flatten_buckets(tree, layout, dtype=dtype)
-    return concat(buckets)
+    buckets = flatten_buckets(tree, layout, dtype=dtype, out=out)
+    return out if out is not None else concat(buckets)
 
 
 def split_buckets(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:

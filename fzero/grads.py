@@ -3,7 +3,7 @@
 What a user passes as ``grads`` is converted once, at the door (``GradPath.to_form``), into
 one of two forms, each with its micro-batch count:
 
-* ``Unreduced(buckets, count)``: this rank's grads, one ``[N*S_b]`` buffer per bucket, summed
+* ``Unreduced(buckets, count, owned)``: this rank's grads, one ``[N*S_b]`` buffer per bucket, summed
   over ``count`` micro-batches -- from a grads pytree (laid out by ``fzero.flat``), the grad of
   the flat buffer (``flat_params``), or a stage-1 ``Accumulated`` (its FP32 ``[N*S]`` sum);
 * ``Reduced(shard, factor, count)``: this rank's ``[S]`` shard, already reduced over ranks:
@@ -152,14 +152,17 @@ class GradPath:
             return [x.to(dtype) for x in split_buckets(grads, self.layout)]
         return flatten_buckets(grads, self.layout, dtype=dtype)
 
-    def to_form(self, grads: Any, *, segments: bool = False) -> Form:
+    def to_form(self, grads: Any, *, segments: bool = False, donated: bool = False) -> Form:
         """What a user passes to ``step`` as grads, as ``Unreduced`` or ``Reduced``. ``segments``:
         at world size 1 (nothing to reduce) grads that are not ``Accumulated`` become a
-        ``Reduced`` of ``Segments``: the caller's leaves (or flat grads) as they are."""
+        ``Reduced`` of ``Segments``: the caller's leaves (or flat grads) as they are.
+        ``donated``: the caller gives the grads up (``donate=True``): with ranks to reduce over,
+        flat grads are reduced in their own buffer."""
         if not isinstance(grads, Accumulated):
             if segments and self.comm.data_parallel == 1:
                 return Reduced(self.segments(grads), 1.0, 1, False)
-            owned = not isinstance(grads, torch.Tensor) or grads.dtype != self.reduce_dtype  # new buffers
+            new_buffers = not isinstance(grads, torch.Tensor) or grads.dtype != self.reduce_dtype
+            owned = new_buffers or (donated and self.comm.data_parallel > 1)
             return Unreduced(self.buckets(grads, self.reduce_dtype), 1, owned)
         if self._check_accumulated(grads):
             return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count, False)
@@ -194,7 +197,7 @@ class GradPath:
         """This rank's reduced shard (a reduce-scatter per bucket for ``Unreduced`` grads)."""
         if isinstance(form, Reduced):
             return form
-        shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout)
+        shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout, donated=form.owned)
         return Reduced(shard, factor, form.count, form.owned or self.comm.data_parallel > 1)
 
     # ------------------------------------------------------------------ micro-batches

@@ -52,7 +52,10 @@ def zero1(
         for its grads on the host (a device->host copy), by construction. Default ``None``.
       donate: ``step`` writes the new optimizer state and params into the input ``state``'s and
         ``params``' buffers and returns them (JAX's ``donate_argnums``): the inputs must not be
-        used again. With ``torch.compile`` the FP32 state then exists once during the step;
+        used again. On more than one rank the step may also overwrite flat ``grads`` (the
+        gradient of ``Engine.flat_params``): on gloo it reduces them in their own buffer, and
+        it gathers the new params into the params' own buffer (no ``[N*S]`` copy of either).
+        With ``torch.compile`` the FP32 state then exists once during the step;
         FP16/BF16 params passed as a pytree (not the flat buffer) then come back in a new
         ``[N*S]`` buffer, which is cheaper there than writing each leaf. Without (default), the
         step is pure and holds old and new state at its peak.

@@ -21,7 +21,7 @@ def reduce(path: GradPath, grads: Any, mode: StepMode) -> Reduced:
     """This rank's ``[S]`` shard of the grads over ranks; ``shard * factor`` is their mean (the
     user's grads take one of two forms at the door, see ``fzero.grads``). Fused, the shard is
     read as ``Segments``, chunk by chunk: at world size 1 the grad leaves."""
-    return path.reduce(path.to_form(grads, segments=mode.fused))
+    return path.reduce(path.to_form(grads, segments=mode.fused, donated=mode.donate))
 
 
 class Checked(NamedTuple):
@@ -74,11 +74,17 @@ def update(tx, checked: Checked, master: torch.Tensor, tx_state: Any, *, param_d
 
 def gather(path: GradPath, shard: torch.Tensor, params: Any, mode: StepMode, cast_into_params: bool) -> Any:
     """Everyone's cast shard gathered into the new flat param buffer, as ``params`` came (flat
-    or a pytree); written into ``params`` with ``mode.write_params``. ``cast_into_params``:
-    the update cast into the params' own buffer at world size 1: they are the new params."""
+    or a pytree); with ``mode.write_params``, into the params' own buffer when there is one
+    (no new buffer), else written into ``params`` after. ``cast_into_params``: the update cast
+    into the params' own buffer at world size 1: they are the new params."""
     if cast_into_params:
         return params
-    new_params = path.comm.all_gather(shard.to(path.device, non_blocking=True), path.layout)
+    shard = shard.to(path.device, non_blocking=True)
+    into = own_buffer(params, path.layout, mode.flat_in) if mode.write_params and mode.own_buffer else None
+    if into is not None and path.comm.world_size > 1:
+        path.comm.all_gather_into(into, shard, path.layout)
+        return params
+    new_params = path.comm.all_gather(shard, path.layout)
     new_params = new_params if mode.flat_in else unflatten(new_params, path.layout, like=params)
     return write_into(params, new_params) if mode.write_params else new_params
 

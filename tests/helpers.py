@@ -156,6 +156,10 @@ def reference(policy, found):
     return out
 
 
+# the collective a table entry issues, where its name says more (fzero.comm.Collectives)
+COLLECTIVE_OF = {"reduce_scatter_donated": "reduce_scatter", "all_gather_into": "all_gather"}
+
+
 @dataclasses.dataclass(frozen=True)
 class RecordingComm(fzero.comm.Comm):
     """A real communicator (``RecordingComm.of(group)``, then ``zero1(group=...)``) that logs
@@ -169,12 +173,17 @@ class RecordingComm(fzero.comm.Comm):
         if self.world_size > 1:
             self.events.append((name, x.numel() * x.element_size()))
 
-    def reduce_scatter_bucket(self, x, i, layout, *, wait=True):
+    def reduce_scatter_bucket(self, x, i, layout, *, wait=True, donated=False):
         self._log("reduce_scatter", x)
-        return super().reduce_scatter_bucket(x, i, layout, wait=wait)
+        return super().reduce_scatter_bucket(x, i, layout, wait=wait, donated=donated)
 
     def all_gather_bucket(self, x, i, layout):
         y = super().all_gather_bucket(x, i, layout)
+        self._log("all_gather", y)
+        return y
+
+    def all_gather_bucket_into(self, out, x, i, layout):
+        y = super().all_gather_bucket_into(out, x, i, layout)
         self._log("all_gather", y)
         return y
 
@@ -213,7 +222,7 @@ class RecordingHybridComm(fzero.comm.HybridComm):
         def logged(name, fn):
             def call(x, *args):  # the group's name is the last argument of every collective
                 group = "shard" if args[-1] == comm.group else "replicate"
-                comm.events.append((name, group, x.numel() * x.element_size()))
+                comm.events.append((COLLECTIVE_OF.get(name, name), group, x.numel() * x.element_size()))
                 return fn(x, *args)
             return call
 
@@ -229,6 +238,9 @@ class RecordingHybridComm(fzero.comm.HybridComm):
         return out
 
 
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
 class NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the element count of every tensor an aten op creates (views excluded): what a
     step allocates."""
@@ -240,7 +252,8 @@ class NewTensors(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         rets = func._schema.returns
-        if not (rets and all(r.alias_info is not None for r in rets)):  # not a view, not in place
+        # not a view, not in place, not a collective's wait (it returns the tensor it waited for)
+        if not (rets and all(r.alias_info is not None for r in rets)) and func is not WAIT_TENSOR:
             self.numels += [t.numel() for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         return out
 

@@ -14,7 +14,8 @@ from helpers import counting_comm, grads_like, odd_params
 def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
     table = fzero.comm.FUNCTIONAL.wrapped(lambda name, fn: (name, fn))
     assert table == fzero.comm.Collectives(*((name, fn) for name, fn in zip(table._fields, fzero.comm.FUNCTIONAL)))
-    assert [name for name, _ in table] == ["reduce_scatter", "all_gather", "all_reduce", "broadcast"]
+    assert [name for name, _ in table] == ["reduce_scatter", "all_gather", "all_reduce", "broadcast",
+                                          "reduce_scatter_donated", "all_gather_into"]
 
 
 def counted_step(rank, world_size):
@@ -47,11 +48,12 @@ def test_a_wrapped_table_counts_every_collective_and_compiles():
         b, padded = r["buckets"], r["padded"]
         assert b > 1
         names = [name for name, _ in r["calls"]]
-        assert names.count("reduce_scatter") == names.count("all_gather") == b and names.count("all_reduce") == 1
+        # the grads pytree is laid out into new FP32 buckets: the step's own, reduced in place
+        assert names.count("reduce_scatter_donated") == names.count("all_gather") == b and names.count("all_reduce") == 1
         assert len(names) == 2 * b + 1  # nothing else, and no broadcast without replicas
-        nbytes = {n: sum(x for m, x in r["calls"] if m == n) for n in ("reduce_scatter", "all_gather", "all_reduce")}
+        nbytes = {n: sum(x for m, x in r["calls"] if m == n) for n in ("reduce_scatter_donated", "all_gather", "all_reduce")}
         # FP32 grads of the whole buffer in, this rank's FP16 half of the params in, one float64
-        assert nbytes == {"reduce_scatter": 4 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
+        assert nbytes == {"reduce_scatter_donated": 4 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
         assert r["after_compiled"] == len(names)  # the compiled step ran the wrapper only while tracing
 
 
@@ -73,13 +75,34 @@ def gloo_table_against_gloos_own(rank, world_size):
     compiled = world_size == 2
     out["compiled"] = [torch.compile(rs, fullgraph=True)(x), torch.compile(ag, fullgraph=True)(shard)] if compiled else out["picked"]
     out["input kept"] = torch.equal(x, before)
+    # the donated forms: the reduce-scatter in the given buffer, the all-gather into ``out``
+    t = comm.collectives
+    rsd = lambda d: t.reduce_scatter_donated(d, "sum", 0, group)  # noqa: E731
+    agi = lambda s, o: t.all_gather_into(s, o, 0, group)  # noqa: E731
+    out["donated"] = []
+    for fn in (rsd, agi):
+        for run in ([fn, torch.compile(fn, fullgraph=True)] if compiled else [fn]):
+            given, into = x.clone(), torch.full((n,), float("nan"))
+            got = run(given) if fn is rsd else run(shard, into)
+            mine = given if fn is rsd else into  # the buffer written
+            out["donated"].append((got.clone(), mine.clone(), got.data_ptr() - mine.data_ptr()))
     return out
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_on_gloo_reduce_scatter_and_all_gather_go_over_all_reduce_and_broadcast_with_gloos_results(world_size):
-    for r in run_ranks(gloo_table_against_gloos_own, world_size):
+    for rank, r in enumerate(run_ranks(gloo_table_against_gloos_own, world_size)):
         assert r["picked"] and r["input kept"]
         for got, eager, want in zip(r["compiled"], r["picked"], r["own"]):
             assert torch.equal(eager, want) and torch.equal(got, want)
+        # donated: the same results, in the given buffers (the reduce-scatter's shard is this
+        # rank's slice of the whole sum, left in the buffer; the gather fills ``out``)
+        rs_want, ag_want = r["own"]
+        runs = len(r["donated"]) // 2
+        S = rs_want.numel()
+        for got, buffer, offset in r["donated"][:runs]:
+            assert torch.equal(got, rs_want) and torch.equal(buffer[rank * S : (rank + 1) * S], rs_want)
+            assert offset == rank * S * 4  # a view of the donated buffer, eager and compiled
+        for got, buffer, offset in r["donated"][runs:]:
+            assert torch.equal(got, ag_want) and torch.equal(buffer, ag_want) and offset == 0

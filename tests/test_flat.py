@@ -68,6 +68,21 @@ def test_flatten_casts_and_rejects_wrong_buffer():
         unflatten(flat[:-1], layout)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("bucket_numel", [None, 8])
+def test_flatten_into_out_overwrites_it_in_place(dtype, world_size, bucket_numel):
+    layout = make_layout(odd_tree(), world_size, alignment=4, bucket_numel=bucket_numel)
+    # stale values everywhere, padding included: a buffer reused from the step before
+    out = torch.full((layout.padded_numel,), float("nan"), dtype=dtype)
+    for seed_tree in (odd_tree(torch.float32), optree.tree_map(lambda x: 2 * x, odd_tree(torch.float32))):
+        got = flatten(seed_tree, layout, out=out)
+        assert got is out
+        assert torch.equal(out, flatten(seed_tree, layout, dtype=dtype))  # cast while copying, padding zero
+    with pytest.raises(ValueError, match=r"out has shape \(\d+,\), the layout needs"):
+        flatten(odd_tree(), layout, out=out[:-1])
+
+
 def test_parameter_straddles_ranks():
     tree = {"a": torch.arange(10.0)}
     layout = make_layout(tree, 4, alignment=1)

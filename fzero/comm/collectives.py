@@ -15,7 +15,10 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 
-__all__ = ["Collectives", "FUNCTIONAL", "CollectiveError", "completed", "for_backend", "over_all_reduce"]
+from ..mode import compiling
+
+__all__ = ["Collectives", "FUNCTIONAL", "CollectiveError", "all_reduce_in_place", "broadcast_in_place", "completed",
+           "for_backend", "over_all_reduce"]
 
 
 class CollectiveError(RuntimeError):
@@ -30,13 +33,20 @@ class Collectives(NamedTuple):
     * ``all_gather(x, dim, group)`` -> every rank's ``x``, concatenated along ``dim``
     * ``all_reduce(x, op, group)`` -> the reduction of ``x`` over the group
     * ``broadcast(x, src, group)`` -> rank ``src``'s ``x``
+    * ``reduce_scatter_donated(x, op, dim, group)`` -> ``reduce_scatter``'s result, from a
+      buffer the caller gives up: it may be overwritten (reduced in place, no copy of it)
+    * ``all_gather_into(x, out, dim, group)`` -> ``out``, overwritten with ``all_gather``'s
+      result (written in place where the backend allows: no new buffer)
 
-    The input tensor is always the first argument and the group's name the last."""
+    The input tensor is always the first argument and the group's name the last.
+    The last two return their result complete (nothing in flight)."""
 
     reduce_scatter: Callable[..., torch.Tensor]
     all_gather: Callable[..., torch.Tensor]
     all_reduce: Callable[..., torch.Tensor]
     broadcast: Callable[..., torch.Tensor]
+    reduce_scatter_donated: Callable[..., torch.Tensor]
+    all_gather_into: Callable[..., torch.Tensor]
 
     def wrapped(self, wrap: Callable[[str, Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> "Collectives":
         """The table whose collective ``name`` is ``wrap(name, this table's function)``, e.g. one
@@ -47,12 +57,40 @@ class Collectives(NamedTuple):
 
 
 # torch >= 2.5 renamed the single-tensor collectives; same signature and semantics.
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _copy_of_all_gather(x: torch.Tensor, out: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return out.copy_(completed(_all_gather(x, dim, group)))
+
+
 FUNCTIONAL = Collectives(
-    reduce_scatter=getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor,
-    all_gather=getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor,
+    reduce_scatter=_reduce_scatter,
+    all_gather=_all_gather,
     all_reduce=funcol.all_reduce,
     broadcast=funcol.broadcast,
+    # a reduce-scatter reads its input without copying it, whoever owns it
+    reduce_scatter_donated=_reduce_scatter,
+    all_gather_into=_copy_of_all_gather,
 )
+
+
+def all_reduce_in_place(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    """``x`` overwritten with its reduction over the group (named ``group``), complete. Eager:
+    the functional collectives' in-place form. Traced, the functional all-reduce copied back
+    into ``x`` (the in-place form cannot be functionalized): on a graph input inductor's
+    reinplacing pass turns that into the in-place collective on the input's own buffer."""
+    if compiling():
+        return x.copy_(completed(funcol.all_reduce(x, op, group)))
+    return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce_(x, op.lower(), group))
+
+
+def broadcast_in_place(x: torch.Tensor, src: int, group: str) -> torch.Tensor:
+    """``x`` overwritten with rank ``src``'s ``x`` (a view may be given: it is written through),
+    complete: the functional collectives' in-place form, eager only (it cannot be
+    functionalized; traced, see ``over_all_reduce``'s ``all_gather_into``)."""
+    return funcol.wait_tensor(torch.ops._c10d_functional.broadcast_(x, src, group))
 
 
 def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) -> Collectives:
@@ -61,7 +99,9 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
 
     * reduce-scatter = the all-reduce of the whole ``[N*S]`` buffer, then this rank's ``[S]``
       slice of it (a view, taken without waiting: the collective stays in flight);
-    * all-gather = N broadcasts, rank ``i``'s ``[S]`` shard from rank ``i``, concatenated.
+    * all-gather = N broadcasts, rank ``i``'s ``[S]`` shard from rank ``i``, concatenated;
+    * the donated reduce-scatter reduces the buffer in place (no ``[N*S]`` copy of it), and
+      ``all_gather_into`` broadcasts each shard into its own slice of ``out``.
 
     Why: gloo's own reduce-scatter and all-gather take longer than these on the same bytes
     (1.21x and 1.18x for a 41 MiB FP32 bucket on 2 ranks, ``benchmarks/collectives.py``;
@@ -77,7 +117,28 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
         parts = [base.broadcast(x if i == rank else torch.empty_like(x), i, group) for i in range(world_size)]
         return torch.cat([completed(p) for p in parts])
 
-    return base._replace(reduce_scatter=reduce_scatter, all_gather=all_gather)
+    def reduce_scatter_donated(x: torch.Tensor, op: str, dim: int, group) -> torch.Tensor:
+        shard = x.shape[0] // world_size
+        return all_reduce_in_place(x, op, group).narrow(0, rank * shard, shard)
+
+    def all_gather_into(x: torch.Tensor, out: torch.Tensor, dim: int, group) -> torch.Tensor:
+        shard = x.shape[0]
+        slices = [out.narrow(0, i * shard, shard) for i in range(world_size)]
+        if compiling():
+            # Each shard received into a temporary and copied into its slice (inductor does not
+            # reinplace a broadcast). Sent from ``x`` itself, not from ``out``: a broadcast from
+            # a slice written just before makes the graph recompute that slice's value for
+            # every later read of ``out``.
+            for i, part in enumerate(slices):
+                part.copy_(completed(base.broadcast(x if i == rank else torch.empty_like(x), i, group)))
+            return out
+        slices[rank].copy_(x)
+        for i, part in enumerate(slices):
+            broadcast_in_place(part, i, group)
+        return out
+
+    return base._replace(reduce_scatter=reduce_scatter, all_gather=all_gather,
+                         reduce_scatter_donated=reduce_scatter_donated, all_gather_into=all_gather_into)
 
 
 def for_backend(backend: str, rank: int, world_size: int) -> Collectives:

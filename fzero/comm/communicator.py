@@ -1,6 +1,7 @@
 """The interface every communicator shares, and what it builds on its primitives.
 
-A communicator provides ``reduce_scatter_bucket``, ``all_gather_bucket``, ``all_reduce_sum``,
+A communicator provides ``reduce_scatter_bucket``, ``all_gather_bucket`` (and
+``all_gather_bucket_into``, the same into a given buffer), ``all_reduce_sum``,
 ``broadcast`` (rank 0's tensor of the whole data-parallel world), ``all_gather_object``, ``wait``, ``arrive``, ``check_unchanged`` and ``time_buckets``; this base
 adds the averaging reduce-scatter (``reduce_scatter_mean``, ``start_mean``: FSDP's pre/post split
 of the 1/N hidden behind ``mean_factor``), the gather of a whole shard, and the cross-rank
@@ -16,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from .. import arrival
-from ..flat import Layout, concat
+from ..flat import Layout, concat, split_buckets
 
 __all__ = ["Communicator", "predivide_factor"]
 
@@ -74,15 +75,19 @@ class Communicator:
         pre = self._pre(x.dtype)
         return self.reduce_scatter_bucket(x if pre == 1.0 else x.div_(pre), i, layout, wait=wait)
 
-    def reduce_scatter_mean(self, buckets: list[torch.Tensor], layout: Layout) -> tuple[torch.Tensor, float]:
-        """Per-bucket ``[N*S_b]`` grads of this rank (not modified) -> ``(partial, factor)``:
-        ``partial * factor`` is this rank's ``[S]`` shard of their mean over ranks. The factor is
-        left to the caller so that it joins the step's one FP32 multiply (unscale, micro-batches).
+    def reduce_scatter_mean(self, buckets: list[torch.Tensor], layout: Layout, *,
+                            donated: bool = False) -> tuple[torch.Tensor, float]:
+        """Per-bucket ``[N*S_b]`` grads of this rank -> ``(partial, factor)``: ``partial * factor``
+        is this rank's ``[S]`` shard of their mean over ranks. The factor is left to the caller so
+        that it joins the step's one FP32 multiply (unscale, micro-batches). ``donated``: the
+        buckets may be overwritten (pre-divided and reduced in place), else they are not modified.
 
         Summing N scaled FP16 grads can overflow by itself: an FP32 sum cannot; a sum in FP16/BF16
         divides its inputs by ``pre`` ~ sqrt(N) first (``predivide_factor``)."""
         pre = self._pre(buckets[0].dtype)
-        parts = [self.reduce_scatter_bucket(x if pre == 1.0 else x / pre, i, layout) for i, x in enumerate(buckets)]
+        if pre != 1.0:
+            buckets = [x.div_(pre) if donated else x / pre for x in buckets]
+        parts = [self.reduce_scatter_bucket(x, i, layout, donated=donated) for i, x in enumerate(buckets)]
         return concat(parts), self.mean_factor(buckets[0].dtype)
 
     def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -94,6 +99,16 @@ class Communicator:
             parts.append(self.all_gather_bucket(shard[pos : pos + b.shard], i, layout))
             pos += b.shard
         return concat(parts)
+
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """``all_gather`` written into ``out``, a ``[padded_numel]`` buffer (the params' own,
+        with ``donate``): no new buffer, and on gloo no copy (each shard is broadcast into its
+        slice). Returns ``out``."""
+        pos = 0
+        for i, (b, view) in enumerate(zip(layout.buckets, split_buckets(out, layout))):
+            self.all_gather_bucket_into(view, shard[pos : pos + b.shard], i, layout)
+            pos += b.shard
+        return out
 
     def check_same(self, what: str, table: dict[str, str]) -> None:
         """Raise the same ``ValueError`` on every rank unless all ranks pass an equal ``table``

@@ -120,15 +120,18 @@ class Comm(Communicator):
         except RuntimeError as e:
             raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
 
-    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
+                              donated: bool = False) -> torch.Tensor:
         """Bucket ``i``'s ``[N*S_b]`` buffer -> this rank's ``[S_b]`` slice of its sum over ranks.
 
         ``wait=False`` returns while the collective is in flight (an ``AsyncCollectiveTensor``
-        that waits when first used, or explicitly via ``wait``): how backward overlaps it."""
+        that waits when first used, or explicitly via ``wait``): how backward overlaps it.
+        ``donated``: ``x`` may be overwritten (``Collectives.reduce_scatter_donated``)."""
         if self.world_size == 1:
             return x
         what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
-        return self.issue(what, self.collectives.reduce_scatter, x, "sum", 0, self.group, wait=wait)
+        fn = self.collectives.reduce_scatter_donated if donated else self.collectives.reduce_scatter
+        return self.issue(what, fn, x, "sum", 0, self.group, wait=wait)
 
     def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         """This rank's ``[S_b]`` slice of bucket ``i`` -> the bucket's ``[N*S_b]`` buffer."""
@@ -137,6 +140,14 @@ class Comm(Communicator):
         b = layout.buckets[i]
         what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
         return self.issue(what, self.collectives.all_gather, x, 0, self.group)
+
+    def all_gather_bucket_into(self, out: torch.Tensor, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        """``all_gather_bucket`` written into ``out`` (the bucket's ``[N*S_b]`` view of a buffer)."""
+        if self.world_size == 1:
+            return out.copy_(x)
+        b = layout.buckets[i]
+        what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
+        return self.issue(what, self.collectives.all_gather_into, x, out, 0, self.group)
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks of a small tensor."""

@@ -45,12 +45,16 @@ class SimulatedComm(Communicator):
     def wait(self, x: torch.Tensor, what: str = "collective") -> torch.Tensor:
         return x
 
-    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+    def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
+                              donated: bool = False) -> torch.Tensor:
         b = layout.buckets[i]
         return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.data_parallel
 
     def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         return x.repeat(self.world_size)
+
+    def all_gather_bucket_into(self, out: torch.Tensor, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
+        return out.view(self.world_size, -1).copy_(x.expand(self.world_size, -1)).view(-1)
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.world_size
