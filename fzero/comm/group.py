@@ -42,6 +42,11 @@ def group_named(name: str):
     return dist.distributed_c10d._resolve_process_group(name)
 
 
+def _gather_what(i: int, layout: Layout) -> str:
+    """How an error names bucket ``i``'s all-gather."""
+    return f"all_gather of params (bucket {i} of {len(layout.buckets)}, {layout.buckets[i].shard} elements per rank)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Comm(Communicator):
     """A process group (or none), by name, with the rank and size read once at engine init.
@@ -137,17 +142,13 @@ class Comm(Communicator):
         """This rank's ``[S_b]`` slice of bucket ``i`` -> the bucket's ``[N*S_b]`` buffer."""
         if self.world_size == 1:
             return x
-        b = layout.buckets[i]
-        what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
-        return self.issue(what, self.collectives.all_gather, x, 0, self.group)
+        return self.issue(lambda: _gather_what(i, layout), self.collectives.all_gather, x, 0, self.group)
 
     def all_gather_bucket_into(self, out: torch.Tensor, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         """``all_gather_bucket`` written into ``out`` (the bucket's ``[N*S_b]`` view of a buffer)."""
         if self.world_size == 1:
             return out.copy_(x)
-        b = layout.buckets[i]
-        what = lambda: f"all_gather of params (bucket {i} of {len(layout.buckets)}, {b.shard} elements per rank)"
-        return self.issue(what, self.collectives.all_gather_into, x, out, 0, self.group)
+        return self.issue(lambda: _gather_what(i, layout), self.collectives.all_gather_into, x, out, 0, self.group)
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks of a small tensor."""
