@@ -80,8 +80,10 @@ def gather(path: GradPath, shard: torch.Tensor, params: Any, mode: StepMode, cas
     if cast_into_params:
         return params
     shard = shard.to(path.device, non_blocking=True)
-    into = own_buffer(params, path.layout, mode.flat_in) if mode.write_params and mode.own_buffer else None
-    if into is not None and path.comm.world_size > 1:
+    # looked up only where it is used: at world size 1 the shard is the whole buffer already
+    gather_into = mode.write_params and mode.own_buffer and path.comm.world_size > 1
+    into = own_buffer(params, path.layout, mode.flat_in) if gather_into else None
+    if into is not None:
         path.comm.all_gather_into(into, shard, path.layout)
         return params
     new_params = path.comm.all_gather(shard, path.layout)
