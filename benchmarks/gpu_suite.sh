@@ -3,7 +3,7 @@
 # the no-host-sync check, the optimizer-step table at 1e9 elements (eager and compiled from the
 # grads pytree, each with donate=True and pure, against fused AdamW and fresh outputs; flat), the
 # eager step's bytes per element, the BF16 step with an FP32 against a remainder master, the
-# memory table (with CPU offload's device bytes and step time), and the main job's step against
+# step with BF16 and 8-bit moments against FP32 ones (eager and compiled), the memory table (with CPU offload's device bytes and step time), and the main job's step against
 # the torch recipe at GPT-2-small shape (e2e.py).
 # Results land in $OUT (default benchmarks/results/gpu).
 #   bash benchmarks/gpu_suite.sh            # full sizes, on the GPU machine
@@ -39,6 +39,7 @@ LIMIT=300 run benchmarks/step.py $STEP --json "$OUT/step.json"
 run benchmarks/plot.py "$OUT/step.json" -o "$OUT/step.png"
 run benchmarks/traffic.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda) --json "$OUT/traffic.json"
 run benchmarks/master.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda) --json "$OUT/master.json"
+LIMIT=240 run benchmarks/moments.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda --iters 5 --rounds 3) --json "$OUT/moments.json"
 run benchmarks/memory.py $MEM --json "$OUT/memory.json"
 LIMIT=300 run benchmarks/e2e.py $E2E --json "$OUT/e2e.json"
 echo "results in $OUT"

@@ -20,6 +20,10 @@ ZeRO-3 16P/N. The "BF16 + remainder" column is the optimizer state of a BF16 eng
 ``master="remainder"`` (an int16 remainder below the BF16 params instead of the FP32 master):
 10P/N; "FP32 + params" that of an FP32 engine with ``master="params"`` (the FP32 params' own
 shard is the master, no second copy): 8P/N.
+
+A second table gives the optimizer state per element of the shard with AdamW's moments stored
+in FP32, BF16 or 8 bits (``transforms.adamw(mu_dtype=..., nu_dtype=...)``), with the FP32 master
+and with the remainder, at ``--moment-world-sizes`` (8 and 64).
 """
 from __future__ import annotations
 
@@ -92,21 +96,35 @@ def measure(P: int, N: int, device: torch.device, leaves: int = 16, replicas: in
     return out
 
 
-def master_state(P: int, N: int, device: torch.device, param_dtype: torch.dtype, master: str, leaves: int = 16) -> int:
-    """Optimizer-state bytes of rank 0 of N (simulated) with ``param_dtype`` params and
+def master_state(P: int, N: int, device: torch.device, param_dtype: torch.dtype, master: str, leaves: int = 16,
+                 moments: torch.dtype | None = None, per_element: bool = False) -> float:
+    """Optimizer-state bytes of rank 0 of N (simulated) with ``param_dtype`` params,
     ``master`` (``"remainder"``: an int16 remainder instead of the FP32 master, BF16 params;
-    ``"params"``: the FP32 params' own shard), after one step."""
+    ``"params"``: the FP32 params' own shard) and AdamW's moments stored as ``moments``
+    (``mu_dtype``/``nu_dtype``), after one step; ``per_element``: divided by the shard's
+    elements."""
     sizes = [P // leaves] * (leaves - 1) + [P - (P // leaves) * (leaves - 1)]
     init_params = {f"w{i}": torch.full((n,), 0.01, dtype=param_dtype, device=device) for i, n in enumerate(sizes)}
-    engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=param_dtype, simulate=(0, N), master=master)
+    tx = transforms.adamw(lr=1e-4, mu_dtype=moments, nu_dtype=moments)
+    engine = fzero.zero1(tx, param_dtype=param_dtype, simulate=(0, N), master=master)
     params, state, ss = engine.init(init_params)
     del init_params
     grads = optree.tree_map(lambda p: torch.full_like(p, 1e-3), params)
     params, state, ss, _ = engine.step(params, grads, state, ss)
-    out = engine.state_bytes(state)
+    out = engine.state_bytes(state) / (engine.layout.shard_numel if per_element else 1)
     del params, grads, state, ss, engine
     gc.collect()
     return out
+
+
+# (name, param dtype, master, moments, goal: bytes of optimizer state per element of the shard)
+MOMENT_ROWS = [
+    ("FP16 + FP32 master + FP32 moments", torch.float16, "fp32", None, "12"),
+    ("FP16 + FP32 master + BF16 moments", torch.float16, "fp32", torch.bfloat16, "8"),
+    ("BF16 + remainder + BF16 moments", torch.bfloat16, "remainder", torch.bfloat16, "6"),
+    ("FP16 + FP32 master + int8 moments", torch.float16, "fp32", torch.int8, "<= 6.1"),
+    ("BF16 + remainder + int8 moments", torch.bfloat16, "remainder", torch.int8, "<= 4.1"),
+]
 
 
 def device_bytes(device: torch.device, *trees) -> int:
@@ -144,6 +162,8 @@ def main(argv=None):
     ap.add_argument("--sizes", type=float, nargs="+", default=[124_439_808, 1e9])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--moment-world-sizes", type=int, nargs="*", default=[8, 64],
+                    help="world sizes of the moment-dtype table (bytes of state per element): %(default)s")
     ap.add_argument("--max-gib", type=float, default=14.0, help="skip rows whose ZeRO-1 formula exceeds this")
     ap.add_argument("--offload-sizes", type=float, nargs="*", default=[],
                     help="also measure offload='cpu' at these sizes: device bytes and step time beside on-device")
@@ -176,6 +196,18 @@ def main(argv=None):
                        "fzero held", "held / ZeRO-1", "fzero opt state", "12P/N",
                        "opt state, BF16 + remainder", "10P/N", "opt state, FP32 + params", "8P/N",
                        "accum buf stage 1", "accum buf stage 2", "peak in step"]))
+    moment_rows = []
+    for P in map(int, args.sizes):
+        for N in args.moment_world_sizes:
+            if formulas(P, N)["ZeRO-1"] / GB > args.max_gib:
+                continue
+            for name, param_dtype, master, moments, goal in MOMENT_ROWS:
+                b = master_state(P, N, device, param_dtype, master, moments=moments, per_element=True)
+                results.append({"P": P, "N": N, "moments_row": name, "state_bytes_per_element": b})
+                moment_rows.append([f"{P / 1e6:.0f}M", N, name, f"{b:.4f}", goal])
+    if moment_rows:
+        print("\noptimizer state (master + moments + 0-d leaves) per element of the shard, rank 0 of N (simulated)\n")
+        print(table(moment_rows, ["P", "N", "params + master + moments", "bytes / element", "goal"]))
     off_rows = []
     for P in map(int, args.offload_sizes):
         for N in args.world_sizes:

@@ -10,6 +10,13 @@ bitwise equal to BF16 with an FP32 master (same losses at every step, same param
 
     python benchmarks/numerics.py                   # 600 steps, 8 runs (about 10 minutes on 2 CPU cores)
     python benchmarks/numerics.py --steps 60        # a quick look
+
+``--moments``: AdamW's moments stored in FP32, BF16 or 8 bits (``train.py --moments``), with the
+FP32 master and with the remainder, BF16 params, 1 rank, seeds 1-3 (``--seeds``) at the main
+job's learning rate (``--lrs 3e-3 1e-2``: also a harder one); goals: the mean final val loss
+within 1% of FP32 moments, every loss finite, no extra skipped steps.
+
+    python benchmarks/numerics.py --moments --lrs 3e-3 1e-2   # 30 runs, about 20 minutes
 """
 from __future__ import annotations
 
@@ -27,12 +34,14 @@ TRAIN = os.path.join(HERE, "..", "examples", "train.py")
 ROWS = [("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "fp32"), ("bf16", "remainder")]
 
 
-def run(dtype: str, master: str, ranks: int, steps: int, out: str) -> dict:
+def run(dtype: str, master: str, ranks: int, steps: int, out: str, *, moments: str = "fp32", seed: int = 0,
+        lr: float | None = None) -> dict:
     """One main-job run; ``{"losses": [...], "summary": {...}}`` from its metrics.jsonl."""
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={ranks}"]
     cmd = [*launcher, TRAIN, "--device", "cpu", "--no-compile", "--dtype", dtype, "--keep-master", master,
-           "--steps", str(steps), "--out", out]
+           "--moments", moments, "--seed", str(seed), "--steps", str(steps), "--out", out,
+           *([] if lr is None else ["--lr", str(lr)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -40,14 +49,68 @@ def run(dtype: str, master: str, ranks: int, steps: int, out: str) -> dict:
     return {"losses": [r["loss"] for r in lines[1:-1]], "summary": lines[-1]["summary"]}
 
 
+# --moments: (master, moments) against (fp32, fp32), BF16 params
+MOMENT_ROWS = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("remainder", "bf16"), ("remainder", "int8")]
+
+
+def moments_table(args, table) -> list:
+    """The moment-dtype rows: BF16 params, each (master, moments) of ``MOMENT_ROWS`` over
+    ``--seeds`` at each ``--lrs``; goals: the mean final val loss within 1% of FP32 moments, no
+    more skipped steps, every loss finite."""
+    jobs, t0 = {}, time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for lr in args.lrs:
+            for master, moments in MOMENT_ROWS:
+                for seed in args.seeds:
+                    key = (lr, master, moments, seed)
+                    out = os.path.join(tmp, f"{lr}-{master}-{moments}-{seed}")
+                    jobs[key] = pool.submit(run, "bf16", master, 1, args.steps, out, moments=moments, seed=seed, lr=lr)
+        results = {key: job.result() for key, job in jobs.items()}
+    rows, goals = [], []
+    for lr in args.lrs:
+        def stats(master, moments):
+            runs = [results[(lr, master, moments, s)] for s in args.seeds]
+            vals = [r["summary"]["final_val_loss"] for r in runs]
+            finite = all(x == x and abs(x) != float("inf") for r in runs for x in r["losses"] if x is not None)
+            return sum(vals) / len(vals), vals, sum(r["summary"]["skipped_steps"] for r in runs), finite
+
+        ref, _, ref_skipped, _ = stats("fp32", "fp32")
+        for master, moments in MOMENT_ROWS:
+            mean, vals, skipped, finite = stats(master, moments)
+            name = f"lr {lr:g}: master {master}, moments {moments}"
+            rows.append([name, f"{mean:.5f}", f"{100 * (mean - ref) / ref:+.2f}%", ", ".join(f"{v:.4f}" for v in vals),
+                         skipped, "yes" if finite else "NO"])
+            if (master, moments) != ("fp32", "fp32"):
+                goals.append((f"{name}: mean final val within 1% of FP32 moments, no divergence, no extra skips",
+                              abs(mean - ref) <= 0.01 * ref and finite and skipped <= ref_skipped))
+    print(f"\nAdamW's moments on the main job (nano GPT, BF16 params, 1 rank, eager), {args.steps} steps, seeds "
+          f"{args.seeds}; {time.perf_counter() - t0:.0f} s\n")
+    print(table(rows, ["run", "final val loss (mean)", "vs FP32 moments", "per seed", "skipped", "losses finite"]))
+    print()
+    for what, ok in goals:
+        print(f"{'met' if ok else 'NOT MET'}: {what}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": args.steps, "results": {"/".join(map(str, k)): v["summary"] for k, v in results.items()},
+                       "goals": goals}, f, indent=1)
+    return goals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--moments", action="store_true",
+                    help="instead: the moment-dtype table (BF16 params; FP32, BF16, int8 moments; FP32 master or remainder)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="--moments: seeds (%(default)s)")
+    ap.add_argument("--lrs", type=float, nargs="+", default=[3e-3], help="--moments: peak learning rates (%(default)s)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     sys.path.insert(0, HERE)
     from common import table
+
+    if args.moments:
+        return moments_table(args, table)
 
     results, t0 = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

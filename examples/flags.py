@@ -16,6 +16,7 @@ from fzero.models import gpt
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MLP_DIMS = "64,256,256,64"
+MOMENTS = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}  # --moments: scale_by_adam's mu_dtype/nu_dtype
 GPT_CONFIGS = {  # vocab_size becomes the data's (97 characters); params counted at that vocab
     "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),  # 0.11M: minutes on CPU
     "tiny": gpt.GPTConfig.tiny,  # 0.82M
@@ -45,6 +46,9 @@ def make_parser(**kwargs) -> argparse.ArgumentParser:
                         "the BF16 params + an int16 remainder, 2 bytes), or params (--dtype fp32: the params "
                         "themselves, 0 bytes); the same training bit for bit (default: params with --dtype fp32, "
                         "else fp32)")
+    p.add_argument("--moments", choices=list(MOMENTS), default="fp32",
+                   help="how AdamW stores its two moments: fp32 (4+4 bytes/param), bf16 (2+2), or int8 (8-bit codes "
+                        "with one FP32 scale per 256 elements: ~1+1); the math is FP32 (default: %(default)s)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps: %(default)s")
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, sequences: %(default)s")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, warmup then cosine to 1/10: %(default)s")
@@ -175,10 +179,11 @@ def check_batch_size(batch_size: int, world: int) -> None:
 # saved run exactly. MODEL_FLAGS fix the model and its optimizer state, so a value other than
 # the checkpoint's is a flag error. The others may change on resume -- a longer run, another
 # learning rate or seed (the batches after the resumed step then differ), the remainder master
-# on or off (the checkpoint holds the FP32 master and loads into either) -- and take effect; the
+# on or off (the checkpoint holds the FP32 master and loads into either), --moments (it holds
+# the moments as FP32 or BF16 and loads into any) -- and take effect; the
 # run names them. The world size, --mesh, logging, evaluation and checkpointing are free.
 MODEL_FLAGS = ("model", "config", "block_size", "mlp_dims", "dtype")
-TRAINING_FLAGS = (*MODEL_FLAGS, "keep_master", "data", "seed", "batch_size", "steps", "lr", "warmup", "weight_decay",
+TRAINING_FLAGS = (*MODEL_FLAGS, "keep_master", "moments", "data", "seed", "batch_size", "steps", "lr", "warmup", "weight_decay",
                   "grad_clip")
 DTYPE_FLAG = {str(dtype).removeprefix("torch."): name for name, dtype in DTYPES.items()}  # a manifest's param_dtype
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fzero
 from fzero import transforms
 from data import CharCorpus, TeacherRegression
-from flags import GPT_CONFIGS, UsageError
+from flags import GPT_CONFIGS, MOMENTS, UsageError
 from fzero.models import gpt, mlp
 from ranks import mean_over_ranks
 
@@ -66,10 +66,13 @@ def schedule_count(state) -> torch.Tensor:
 
 def make_optimizer(args) -> transforms.GradientTransformation:
     """Clip by the global grad norm (over all ranks), then AdamW with a warmup-cosine learning
-    rate (``lr_schedule``) and decoupled weight decay on the matrices only (``decays``)."""
+    rate (``lr_schedule``) and decoupled weight decay on the matrices only (``decays``), its
+    moments stored as ``--moments`` says."""
     lr = lr_schedule(args)
     clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
-    adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays)
+    moments = MOMENTS[args.moments]
+    adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays,
+                             mu_dtype=moments, nu_dtype=moments)
     return transforms.chain(*clip, adamw)
 
 

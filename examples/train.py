@@ -24,7 +24,7 @@ the checkpoint, its step and the hyperparameters the run continued with); and <o
 (loss, learning rate, loss scale).
 
 --resume DIR continues a checkpoint at any world size. A checkpoint records the flags that define
-the training (--model, --config, --block-size, --mlp-dims, --dtype, --keep-master, --data, --seed,
+the training (--model, --config, --block-size, --mlp-dims, --dtype, --keep-master, --moments, --data, --seed,
 --batch-size, --steps, --lr, --warmup, --weight-decay, --grad-clip) and --resume takes each one
 not given from it, so "--resume DIR" alone continues the saved run exactly. A given one that
 differs from the checkpoint's takes effect (a longer run, another learning rate, another seed:
@@ -109,7 +109,8 @@ def main(argv=None):
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
         kept = KEPT_MASTER[args.keep_master]
-        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 moments + the decay mask, 1/{shards} each: "
+        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 {args.moments} moments + the decay mask, "
+              f"1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
 
     first_step, resumed, extra = 1, None, {}

@@ -19,6 +19,8 @@ the master is stored in ``fzero.storage``, the state and binding ``init`` builds
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import optree
@@ -59,7 +61,9 @@ class Engine:
         checks.check_options(self.loss_scale, param_dtype=param_dtype, reduce_dtype=reduce_dtype, stage=stage,
                              offload=offload, bucket_bytes=bucket_bytes, chunk_numel=chunk_numel,
                              call_timeout=call_timeout)
-        self.reduce_dtype, self.alignment, self.stage = reduce_dtype, alignment, stage
+        # Every rank's slice a whole number of the transform's blocks (8-bit moments: one scale
+        # per block), so that no block straddles two ranks: the transform stays rank-blind.
+        self.reduce_dtype, self.alignment, self.stage = reduce_dtype, math.lcm(alignment, tx.block), stage
         self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
         self.offload, self.donate, self.chunk_numel = offload, donate, chunk_numel
         self.call_timeout = float(call_timeout)

@@ -41,7 +41,8 @@ def zero1(
         group, params all-gathered inside the shard group (``fzero.comm.HybridComm``).
       reduce_dtype: dtype of the gradient reduce-scatter: FP32 (default; 2x the wire bytes of
         FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
-      alignment: each rank's slice of each bucket is a multiple of this many elements (64).
+      alignment: each rank's slice of each bucket is a multiple of this many elements (64), and
+        of the transform's ``block`` (256 with 8-bit moments: no block straddles two ranks).
       bucket_bytes: split the flat buffer into buckets of about this many param bytes, each
         sharded across all ranks (one reduce-scatter and all-gather per bucket), filled in
         reverse leaf order; ``None`` (default): one bucket.

@@ -19,7 +19,7 @@ import torch
 from fzero.transforms import FusedStep, scalar
 
 from .grads import Reduced, Segments
-from .mode import StepMode
+from .mode import StepMode, compiling
 from .remainder import round_bf16
 
 __all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "generic_whole", "sum_of_squares",
@@ -59,8 +59,19 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype):
     updates, new_tx_state = tx.update(g, tx_state, master, grad_norm=norm)
     # Skip without a branch: on overflow every state tensor keeps its old bits.
     new_master = torch.where(skip, master, master + updates)
-    new_tx_state = optree.tree_map(lambda new, old: torch.where(skip, old, new), new_tx_state, tx_state)
+    new_tx_state = optree.tree_map(lambda new, old: _keep_if(skip, old, new), new_tx_state, tx_state)
     return new_master, new_tx_state, cast_params(new_master, param_dtype)
+
+
+def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``torch.where(skip, old, new)``. Compiled, 1-byte ``[S]`` tensors (8-bit moments' codes)
+    are selected as int32 words, the same bits: inductor's CPU code selected 1-byte lanes through
+    a mask conversion that made the compiled step with 8-bit moments 6.0x the FP32-moment step
+    instead of 4.2x (``benchmarks/moments.py``, 8.4e6 elements). Compiled, the update runs on
+    the whole shard, whose tensors start at offset 0; eager selects need no such help."""
+    if compiling() and old.element_size() == 1 and old.ndim == 1 and old.numel() % 4 == 0:
+        return torch.where(skip, old.view(torch.int32), new.view(torch.int32)).view(old.dtype)
+    return torch.where(skip, old, new)
 
 
 NORM_BLOCK, NORM_ROW = 2**18, 256  # the eager sum of squares: elements per block, per row
@@ -121,15 +132,28 @@ def _scaled_row_norms(rows: torch.Tensor) -> torch.Tensor:
     return (norms.double() / scale.double()).squeeze(1)
 
 
-def _chunks(S: int, chunk: int | None):
-    """``(lo, hi)`` of consecutive chunks of ``chunk`` elements covering ``[0, S)``."""
-    step = S if not chunk else chunk
+def _chunks(S: int, chunk: int | None, block: int = 1):
+    """``(lo, hi)`` of consecutive chunks of ``chunk`` elements (rounded down to whole
+    ``block``s, at least one) covering ``[0, S)``."""
+    step = S if not chunk else max(block, chunk // block * block)
     return [(lo, min(S, lo + step)) for lo in range(0, S, step)] or [(0, 0)]
 
 
-def _slices(tree: Any, S: int, lo: int, hi: int) -> Any:
-    """``tree`` with each ``[S]`` tensor cut to ``[lo:hi]`` (0-d leaves as they are)."""
-    return optree.tree_map(lambda x: x[lo:hi] if isinstance(x, torch.Tensor) and x.shape == (S,) else x, tree)
+def _per_block(x: Any, S: int, block: int) -> bool:
+    """Whether ``x`` is a per-block state tensor of an ``[S]`` shard: ``[S / block]`` (one value
+    per ``block`` elements, ``GradientTransformation.block``)."""
+    return block > 1 and isinstance(x, torch.Tensor) and x.shape == (S // block,)
+
+
+def _slices(tree: Any, S: int, block: int, lo: int, hi: int) -> Any:
+    """``tree`` with each ``[S]`` tensor cut to ``[lo:hi]`` and each per-block one to
+    ``[lo/block : hi/block]`` (``lo``, ``hi``: block edges or ``S``); 0-d leaves as they are."""
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.shape == (S,):
+            return x[lo:hi]
+        return x[lo // block: -(-hi // block)] if _per_block(x, S, block) else x
+
+    return optree.tree_map(cut, tree)
 
 
 class ShardGrads(NamedTuple):
@@ -208,17 +232,18 @@ def generic_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *,
 def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
     """``tx.update`` chunk by chunk, written into full-size outputs (the inputs' own buffers with
     ``donate``): eager, each op's temporary stays cache-sized."""
-    g, S = grads.mean(master.device), master.numel()
+    g, S, block = grads.mean(master.device), master.numel(), tx.block
+    sized = lambda x: x.shape == (S,) or _per_block(x, S, block)  # noqa: E731
     outs = None
-    for lo, hi in _chunks(S, chunk):
-        res = _update(tx, g[lo:hi], master[lo:hi], _slices(tx_state, S, lo, hi), skip, norm, param_dtype)
+    for lo, hi in _chunks(S, chunk, block):
+        res = _update(tx, g[lo:hi], master[lo:hi], _slices(tx_state, S, block, lo, hi), skip, norm, param_dtype)
         if outs is None:  # full-size outputs; 0-d leaves as the first chunk computed them
-            full = lambda old, new: (old if donate else torch.empty_like(old)) if old.shape == (S,) else new
+            full = lambda old, new: (old if donate else torch.empty_like(old)) if sized(old) else new  # noqa: E731
             outs = (full(master, res[0]), optree.tree_map(full, tx_state, res[1]),
                     torch.empty(S, dtype=param_dtype, device=g.device) if out is None else out)
-        for o, new in zip(optree.tree_leaves(outs), optree.tree_leaves(res)):
-            if o.shape == (S,):
-                o[lo:hi].copy_(new)
+        for o, new in zip(optree.tree_leaves(_slices(outs, S, block, lo, hi)), optree.tree_leaves(res)):
+            if o.data_ptr() != new.data_ptr() and o.ndim:  # the [S] and per-block tensors' chunk
+                o.copy_(new)
     return outs
 
 

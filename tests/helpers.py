@@ -292,13 +292,15 @@ def ckpt_params(seed=0, z_shape=(17, 23)):
     return p
 
 
-def ckpt_engine(**kw):
+def ckpt_engine(moments=None, **kw):
     """The checkpoint tests' engine: adamw with a schedule and a weight-decay mask (a bool [S]
-    leaf), FP16 params with a dynamic loss scale; ``kw`` goes to ``zero1``."""
+    leaf), its moments stored as ``moments`` (``mu_dtype`` and ``nu_dtype``), FP16 params with a
+    dynamic loss scale; ``kw`` goes to ``zero1``."""
     tx = transforms.adamw(
         lr=transforms.linear_warmup(1e-3, 1e-2, 3),
         weight_decay=0.1,
         weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p),  # a bool [S] leaf
+        mu_dtype=moments, nu_dtype=moments,
     )
     scale = fzero.DynamicLossScale(init_scale=16.0, growth_interval=2)
     return fzero.zero1(tx, param_dtype=torch.float16, loss_scale=scale, **kw)

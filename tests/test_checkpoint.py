@@ -25,6 +25,7 @@ from fzero import transforms
 from distributed import run_ranks
 from fzero import checkpoint as ck
 from fzero.checkpoint import lock
+from fzero.checkpoint.form import saved_form
 from helpers import (
     CKPT_COMMITTED, assert_views_equal, ckpt_engine, ckpt_entries, ckpt_fresh_engine, ckpt_params,
     ckpt_paths_shapes, ckpt_steps, ckpt_trained, file_contents, flip_byte, global_view, grads_like, snapshot_dir,
@@ -261,6 +262,8 @@ def test_export_full_round_trip_one_process(saved, tmp_path):
         assert got_m[p].dtype == torch.float32 and torch.equal(got_m[p], m)
     assert sorted(got_p) == sorted(paths) == sorted(got_m)
     assert os.listdir(tmp_path).count("p.safetensors") == 1 and not glob.glob(str(tmp_path / "*.tmp-*"))
+    with pytest.raises(ck.CheckpointError, match=r"moments=True\) needs the ZeroState"):
+        ck.export_full(str(tmp_path / "x.safetensors"), params, engine, moments=True)
 
 
 @pytest.mark.parametrize("master", ["fp32", "remainder"])
@@ -388,3 +391,83 @@ def test_two_ranks_a_locked_path_different_paths_and_a_changed_mask(tmp_path):
         assert torch.equal(rank["engine_mask"], rank["fresh_mask"])  # the engine's mask takes effect
         assert torch.equal(rank["saved_mask"], saved_mask)  # or the checkpoint's, when asked
     assert not torch.equal(saved_mask, r[0]["fresh_mask"])
+
+
+# ---------------------------------------------------------------- moments stored in BF16 or 8 bits
+MOMENTS = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}
+
+
+def moments_view(engine, state, ss):
+    """``global_view`` of the state as a checkpoint holds it (8-bit moments dequantized)."""
+    return global_view(engine, saved_form(state), ss)
+
+
+def check_loaded_moments(engine, state, saved_view, rank):
+    """The loaded moments are the saved ones (FP32), stored as ``engine`` stores them: equal,
+    rounded to BF16, or quantized into this engine's blocks (codes and scales bitwise)."""
+    paths, shapes = ckpt_paths_shapes()
+    adam = state.tx_state[0]
+    for name, got in (("mu", adam.mu), ("nu", adam.nu)):
+        full = saved_view[f"tx_state/0/{name}"]
+        tree = engine.layout.treespec.unflatten(list(torch.split(full, [s.numel() for s in shapes])))
+        tree = optree.tree_map(lambda x, s: x.view(s), tree, engine.layout.treespec.unflatten(list(shapes)))
+        want = fzero.tree_shard(tree, engine.layout, rank, dtype=torch.float32)
+        if isinstance(got, transforms.quantize.Quantized):
+            again = transforms.quantize.quantize(want, signed=name == "mu")
+            assert torch.equal(got.codes, again.codes) and torch.equal(got.scale, again.scale), name
+        else:
+            assert torch.equal(got, want.to(got.dtype)), name
+
+
+def saves_int8_at_two_ranks(rank, world_size, tmp):
+    engine = ckpt_engine(torch.int8)
+    params, state, ss = ckpt_trained(engine, K)
+    ck.save(os.path.join(tmp, "q2"), params, state, ss, engine)
+    ck.export_full(os.path.join(tmp, "q2.safetensors"), state, engine, moments=True)
+    again = ckpt_engine(torch.int8)
+    again.init(ckpt_params(seed=1))
+    _, loaded, _, _ = ck.load(os.path.join(tmp, "q2"), again)  # same world size and dtype: exact
+    same = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(loaded), optree.tree_leaves(state)))
+    return {"view": moments_view(engine, state, ss), "exact_resume": same}
+
+
+def loads_at_three_ranks(rank, world_size, tmp, saved_view):
+    out = {}
+    for name, moments in MOMENTS.items():
+        engine = ckpt_engine(moments)
+        engine.init(ckpt_params(seed=2))
+        _, state, _, _ = ck.load(os.path.join(tmp, "q1"), engine)
+        check_loaded_moments(engine, state, saved_view, rank)
+        out[name] = engine.layout.shard_numel
+    return out
+
+
+@pytest.mark.multirank
+def test_moments_load_into_any_moment_dtype_at_any_world_size(tmp_path):
+    """8-bit moments saved at 2 ranks load at 1 into FP32, BF16 and 8-bit engines; BF16 moments
+    saved at 1 load at 3 into all three. A checkpoint holds the moments dequantized to FP32."""
+    tmp = str(tmp_path)
+    a = run_ranks(saves_int8_at_two_ranks, 2, tmp)
+    assert all(r["exact_resume"] for r in a)  # codes and scales back bit for bit
+    saved_view = a[0]["view"]
+    entries = {e["name"]: e for e in ck.read_manifest(os.path.join(tmp, "q2"))["state"]}
+    assert entries["tx_state/0/mu"]["dtype"] == entries["tx_state/0/nu"]["dtype"] == "float32"
+    assert not any("codes" in n or "scale" in n for n in entries)
+    exported = load_file(os.path.join(tmp, "q2.safetensors"))  # export_full(moments=True): FP32, by leaf path
+    paths, shapes = ckpt_paths_shapes()
+    for name in ("mu", "nu"):
+        for path, flat in zip(paths, torch.split(saved_view[f"tx_state/0/{name}"], [s.numel() for s in shapes])):
+            got = exported[f"tx_state/0/{name}/{path}"]
+            assert got.dtype == torch.float32 and torch.equal(got, flat.view(got.shape)), (name, path)
+    assert len(exported) == 3 * len(paths)  # the master, mu and nu; no mask
+    for moments in MOMENTS.values():  # 2 -> 1
+        engine = ckpt_engine(moments)
+        engine.init(ckpt_params(seed=3))
+        params, state, ss, _ = ck.load(os.path.join(tmp, "q2"), engine)
+        check_loaded_moments(engine, state, saved_view, 0)
+        if moments == torch.bfloat16:
+            params, state, ss = ckpt_steps(engine, params, state, ss, range(K, K + 2))
+            ck.save(os.path.join(tmp, "q1"), params, state, ss, engine)
+            bf16_view = moments_view(engine, state, ss)
+    assert bf16_view["tx_state/0/mu"].dtype == torch.bfloat16
+    run_ranks(loads_at_three_ranks, 3, tmp, bf16_view)  # 1 -> 3, each rank checks its shard

@@ -77,10 +77,15 @@ def test_incompatible_model_or_transform_names_the_leaf(saved):
     engine.init(ckpt_params())
     with pytest.raises(ck.CheckpointError, match="state leaf 'tx_state/1/inner/weight_decay' .* is not in this engine's optimizer state"):
         ck.load(path, engine)
+    # FP32 and BF16 moments convert on load (test_checkpoint.py); other dtypes must match
     engine = ckpt_engine()
-    engine.tx = transforms.adamw(lr=transforms.linear_warmup(1e-3, 1e-2, 3), weight_decay=0.1,
-                                 weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p),
-                                 mu_dtype=torch.bfloat16)
+    base = engine.tx
+
+    def fp16_moment(params, *, context=None):
+        adam, *rest = base.init(params, context=context)
+        return (adam._replace(mu=adam.mu.half()), *rest)
+
+    engine.tx = base._replace(init=fp16_moment)
     engine.init(ckpt_params())
-    with pytest.raises(ck.CheckpointError, match="'tx_state/0/mu' is shard float32 in the checkpoint but shard bfloat16"):
+    with pytest.raises(ck.CheckpointError, match="'tx_state/0/mu' is shard float32 in the checkpoint but shard float16"):
         ck.load(path, engine)

@@ -360,3 +360,43 @@ def test_the_grad_norm_of_an_overflow_is_one_nan_whatever_the_grads_held():
         grads["w"][7] = bad
         info = engine.step(params, grads, state, ss)[3]
         assert info["found_inf"] and info["grad_norm"].view(torch.int32).item() == bits
+
+
+@pytest.mark.parametrize("moments,master,per_element", [
+    (torch.bfloat16, "fp32", 4 + 2 + 2), (torch.bfloat16, "remainder", 2 + 2 + 2),
+    (torch.int8, "fp32", 4 + 1 + 1 + 8 / 256), (torch.int8, "remainder", 2 + 1 + 1 + 8 / 256),
+])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stored_moments_hold_their_bytes_and_ranks_hold_their_shard_of_the_one_process_state(
+        moments, master, per_element, world_size):
+    """8-bit moments: every rank's slice is whole 256-element blocks, so the blocks (and their
+    scales) are those of the one-process shard, cut at the rank's edges."""
+    p0 = odd_params()
+    grads_list = [optree.tree_map(lambda g: g.bfloat16(), grads_like(p0, i)) for i in range(3)]
+
+    def trained(simulate):
+        engine = fzero.zero1(transforms.adamw(lr=1e-2, mu_dtype=moments, nu_dtype=moments),
+                             param_dtype=torch.bfloat16, master=master, simulate=simulate)
+        params, state, ss = engine.init(p0)
+        for g in grads_list:
+            params, state, ss, _ = engine.step(params, g, state, ss)
+        return engine, state
+
+    ref, ref_state = trained(None)
+    adam = ref_state.tx_state[0]
+    for r in range(world_size):
+        sim, state = trained((r, world_size))
+        S = sim.layout.shard_numel
+        if moments == torch.int8:
+            assert sim.layout.alignment == 256 and S % 256 == 0
+        assert 0 <= sim.state_bytes(state) - per_element * S < 64  # + the 0-d leaves
+        lo = r * S  # one bucket: rank r owns flat[lo:lo + S]; past the one-process shard, padding
+        n = max(0, min(S, ref.layout.shard_numel - lo))
+        mine = state.tx_state[0]
+        for got, want in ((mine.mu, adam.mu), (mine.nu, adam.nu)):
+            if moments == torch.int8:
+                assert torch.equal(got.codes[:n], want.codes[lo:lo + n])
+                assert torch.equal(got.scale[:n // 256], want.scale[lo // 256:(lo + n) // 256])
+                assert not got.codes[n:].any() and not got.scale[n // 256:].any()
+            else:
+                assert torch.equal(got[:n], want[lo:lo + n]) and not got[n:].any()

@@ -379,3 +379,71 @@ def test_chain_is_fused_only_when_its_last_member_updates_the_params():
     # adamw writes the params in place; the clip after it could not take that back
     assert T.chain(adamw, clip).fused is None and T.chain(T.chain(clip, adamw), clip).fused is None
     assert T.chain(clip).fused is not None and T.sgd(lr=0.1).fused is None
+
+
+def wide_tree(seed=0):
+    """Leaves of several 256-element blocks, one with a partial last block."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(40, 30, generator=g), "b": torch.randn(30, generator=g) * 1e-3}
+
+
+@pytest.mark.parametrize("name", ["mu_dtype", "nu_dtype"])
+@pytest.mark.parametrize("bad", [torch.float16, torch.uint8, "int8"])
+def test_moment_dtypes_other_than_fp32_bf16_int8_raise_naming_the_argument(name, bad):
+    with pytest.raises(ValueError, match=f"scale_by_adam: {name} must be None, torch.float32, torch.bfloat16 or torch.int8"):
+        transforms.adamw(**{name: bad})
+
+
+def test_the_block_of_8_bit_moments_reaches_the_engine_through_chain_and_masked():
+    from fzero.transforms.quantize import BLOCK
+    assert transforms.adamw().block == 1 and transforms.adamw(mu_dtype=torch.bfloat16).block == 1
+    assert transforms.adamw(nu_dtype=torch.int8).block == BLOCK == 256
+    tx = transforms.chain(transforms.clip_by_global_norm(1.0), transforms.adamw(mu_dtype=torch.int8))
+    assert tx.block == BLOCK and transforms.masked(tx, lambda p: p).block == BLOCK
+
+
+def store_like(dtype):
+    """How the transform stores a moment of ``dtype`` (the reference's rounding)."""
+    from fzero.transforms import quantize as Q
+    if dtype == torch.int8:
+        return lambda x, signed: Q.dequantize(Q.quantize(x.float(), signed=signed)).double()
+    return lambda x, signed: x.to(dtype).double()
+
+
+@pytest.mark.parametrize("mu_dtype,nu_dtype", [(torch.bfloat16, torch.bfloat16), (torch.int8, torch.int8),
+                                               (torch.int8, None), (None, torch.int8)])
+def test_adamw_with_stored_moments_is_float64_adamw_on_the_rounded_moments(mu_dtype, nu_dtype):
+    params, seq = wide_tree(), [wide_tree(s) for s in range(1, 13)]
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    tx = transforms.adamw(**kw, mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+    state, p = tx.init(params), params
+    for grads in seq:
+        updates, state = tx.update(grads, state, p)
+        p = transforms.apply_updates(p, updates)
+    # reference: float64 AdamW whose stored moments are rounded as the transform stores them
+    keep = lambda x, signed: x  # noqa: E731
+    rm, rv = (store_like(d) if d is not None else keep for d in (mu_dtype, nu_dtype))
+    (b1, b2), lr, wd = kw["betas"], kw["lr"], kw["weight_decay"]
+    ref = {k: v.double() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in ref.items()}
+    v = {k: torch.zeros_like(x) for k, x in ref.items()}
+    for t, grads in enumerate(seq, 1):
+        for k in ref:
+            g = grads[k].double()
+            m_new, v_new = b1 * m[k] + (1 - b1) * g, b2 * v[k] + (1 - b2) * g * g
+            u = (m_new / (1 - b1**t)) / ((v_new / (1 - b2**t)).sqrt() + kw["eps"])  # this step: unrounded
+            ref[k] = ref[k] * (1 - lr * wd) - lr * u
+            m[k], v[k] = rm(m_new, True), rv(v_new, False)
+    for k in ref:
+        torch.testing.assert_close(p[k].double(), ref[k], rtol=1e-5, atol=1e-6)
+    if torch.int8 in (mu_dtype, nu_dtype):
+        assert isinstance(state[0].mu["w"] if mu_dtype else state[0].nu["w"], transforms.quantize.Quantized)
+
+
+def test_8_bit_moments_on_a_shard_that_is_not_whole_blocks_raise():
+    tx = transforms.adamw(mu_dtype=torch.int8)
+    shard = torch.zeros(300)
+    context = transforms.ShardContext({"w": torch.zeros(300)}, lambda per_leaf: torch.ones(300, dtype=torch.bool))
+    with pytest.raises(ValueError, match="flat shard it runs on has 300 elements, not a whole number of blocks"):
+        tx.init(shard, context=context)
+    tx.init({"w": shard})  # plain use: a leaf of any size (its last block is partial)

@@ -141,14 +141,18 @@ def test_init_with_params_beyond_the_fp16_range_saturates():
 
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("donate", [False, True])
-def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, donate):
+@pytest.mark.parametrize("moments", [None, torch.bfloat16, torch.int8])
+def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, donate, moments):
+    """8-bit moments: chunks of 100 become one 256-element block each, the per-block scales cut
+    with them (6 chunks of the 1536-element shard)."""
     p0 = mlp.init(torch.Generator().manual_seed(0), (16, 64, 4))  # 1348 elements: 14 chunks of 100, the last partial
     grads_list = [optree.tree_map(lambda g: (g * 8).to(param_dtype), grads_like(p0, i)) for i in range(5)]
     grads_list[2]["layers"][1]["w"][3, 1] = float("nan")  # a skipped step in the middle
     tx = transforms.chain(
         transforms.clip_by_global_norm(1.0),
         transforms.adamw(lr=transforms.linear_warmup(0.0, 1e-2, 3), weight_decay=0.1,
-                         weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
+                         weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p),
+                         mu_dtype=moments, nu_dtype=moments),
     )
     out = {}
     for chunk in (None, 100):
@@ -160,6 +164,8 @@ def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, don
             params, state, ss, info = engine.step(params, grads, state, ss)
         if donate:  # updated in place, chunk by chunk
             assert state.master.data_ptr() == state0.master.data_ptr()
+            assert all(a.data_ptr() == b.data_ptr() for a, b in zip(optree.tree_leaves(state.tx_state),
+                                                                    optree.tree_leaves(state0.tx_state)) if a.ndim)
         else:  # pure: the input state is untouched
             assert torch.equal(state0.master, master0)
         out[chunk] = params, state

@@ -7,6 +7,7 @@ import optree
 import torch
 
 from .base import HYPERPARAM_RULES, FusedStep, GradientTransformation, MaskedState, ShardContext, chain
+from .quantize import BLOCK, Quantized, dequantize, quantize, zeros as quantized_zeros
 from .scalars import host_value, hyperparam, scalar, zero_count
 from .scale import add_decayed_weights, learning_rate, next_learning_rate_state, scale_by_learning_rate
 from .validate import check_number
@@ -16,7 +17,8 @@ __all__ = ["ScaleByAdamState", "scale_by_adam", "adamw"]
 
 class ScaleByAdamState(NamedTuple):
     """``count``: 0-d int32, applied updates so far. ``mu``/``nu``: first/second moments, like
-    the updates. ``b1``, ``b2``, ``eps``: 0-d float64 hyperparameters."""
+    the updates (each leaf a ``transforms.quantize.Quantized`` with 8-bit moments). ``b1``,
+    ``b2``, ``eps``: 0-d float64 hyperparameters."""
 
     count: torch.Tensor
     mu: object
@@ -43,21 +45,45 @@ def scale_by_adam(
         v \leftarrow \beta_2 v + (1-\beta_2) g^2,\quad
         u = \frac{m / (1-\beta_1^t)}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon}
 
-    (torch.optim.Adam's arrangement). Moments are stored in ``mu_dtype``/``nu_dtype``
-    (default: the updates' dtype, FP32 under fzero); the elementwise arithmetic is FP32, the
-    0-d bias corrections float64 then FP32.
+    (torch.optim.Adam's arrangement). The elementwise arithmetic is FP32, the 0-d bias
+    corrections float64 then FP32. ``mu_dtype``/``nu_dtype`` say how each moment is stored
+    between steps (optax's names):
 
-    ``b1``, ``b2`` must be in [0, 1) and ``eps`` finite and >= 0, else ``ValueError``.
+    * ``None`` (default): the updates' dtype (FP32 under fzero's engine), 4 bytes per element;
+    * ``torch.float32``: FP32; ``torch.bfloat16``: BF16 (rounded to nearest), 2 bytes;
+    * ``torch.int8``: 8-bit codes with one FP32 scale per ``transforms.quantize.BLOCK`` (256)
+      elements, ~1.016 bytes per element (``transforms.quantize``: the first moment on a signed
+      map, the second on a non-negative map without 0). The update reads the stored moments,
+      computes in FP32 and stores the new ones: this step's direction uses the unrounded new
+      moments. The transform's ``block`` is then ``BLOCK``: on a flat shard (``context``) the
+      shard must be a whole number of blocks, which fzero's engine arranges.
+
+    ``b1``, ``b2`` must be in [0, 1) and ``eps`` finite and >= 0, and the dtypes one of the
+    above, else ``ValueError``.
     """
     for name, value in (("b1", b1), ("b2", b2), ("eps", eps)):
         check_number("scale_by_adam", name, value, HYPERPARAM_RULES[name])
+    for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
+        if dtype not in MOMENT_DTYPES:
+            raise ValueError(f"scale_by_adam: {name} must be None, torch.float32, torch.bfloat16 or torch.int8 "
+                             f"(8-bit, block-wise), got {dtype!r}")
+    quantized = torch.int8 in (mu_dtype, nu_dtype)
 
     def init(params, *, context: ShardContext | None = None):
-        def zeros(dtype):
+        if quantized and context is not None:
+            for p in optree.tree_leaves(params):
+                if p.numel() % BLOCK:
+                    raise ValueError(f"scale_by_adam: 8-bit moments keep one scale per {BLOCK} elements, and the "
+                                     f"flat shard it runs on has {p.numel()} elements, not a whole number of blocks: "
+                                     f"align the shard to {BLOCK} (fzero's engine does, from the transform's block)")
+
+        def zeros(dtype, signed):
+            if dtype == torch.int8:
+                return optree.tree_map(lambda p: quantized_zeros(p, signed=signed), params)
             return optree.tree_map(lambda p: torch.zeros_like(p, dtype=dtype or p.dtype), params)
 
         return ScaleByAdamState(
-            zero_count(params), zeros(mu_dtype), zeros(nu_dtype),
+            zero_count(params), zeros(mu_dtype, True), zeros(nu_dtype, False),
             hyperparam(b1, params), hyperparam(b2, params), hyperparam(eps, params),
         )
 
@@ -69,21 +95,35 @@ def scale_by_adam(
         bc2_sqrt = scalar(torch.sqrt(1 - state.b2**t))
         w1, b2, w2, eps = scalar(1 - state.b1), scalar(state.b2), scalar(1 - state.b2), scalar(state.eps)
 
-        def leaf(g, m, v):
+        def leaf(g, m_old, v_old):
             g32 = g.float()
-            m = torch.lerp(m.float(), g32, w1)
-            v = v.float() * b2 + w2 * g32 * g32
+            m = torch.lerp(_load(m_old), g32, w1)
+            v = _load(v_old) * b2 + w2 * g32 * g32
             u = (m * step_size) / (v.sqrt() / bc2_sqrt + eps)
-            return u.to(g.dtype), m, v
+            return u.to(g.dtype), _store(m, m_old, signed=True), _store(v, v_old, signed=False)
 
-        out = optree.tree_map(leaf, updates, state.mu, state.nu)
+        # ``flatten_up_to``: under each update leaf a moment is a tensor or a Quantized node
         spec = optree.tree_structure(updates)
-        u, m, v = (spec.unflatten(x) for x in zip(*spec.flatten_up_to(out)))
-        mu = optree.tree_map(lambda x, old: x.to(old.dtype), m, state.mu)
-        nu = optree.tree_map(lambda x, old: x.to(old.dtype), v, state.nu)
+        out = [leaf(*x) for x in zip(spec.flatten_up_to(updates), spec.flatten_up_to(state.mu),
+                                     spec.flatten_up_to(state.nu))]
+        u, mu, nu = (spec.unflatten(list(x)) for x in zip(*out)) if out else (updates, state.mu, state.nu)
         return u, state._replace(count=count, mu=mu, nu=nu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, block=BLOCK if quantized else 1)
+
+
+MOMENT_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)  # how scale_by_adam may store a moment
+
+
+def _load(moment) -> torch.Tensor:
+    """A stored moment as FP32."""
+    return dequantize(moment) if isinstance(moment, Quantized) else moment.float()
+
+
+def _store(x: torch.Tensor, old, *, signed: bool):
+    """The FP32 moment ``x`` stored as ``old`` is: quantized (``signed``: the first moment's
+    map) or cast to its dtype."""
+    return quantize(x, signed=signed) if isinstance(old, Quantized) else x.to(old.dtype)
 
 
 def adamw(

@@ -79,12 +79,20 @@ class GradientTransformation(NamedTuple):
     ``hyperparams`` (optional): ``state -> {name: 0-d tensor}``, the values the next update
     applies that are not stored as such, e.g. a schedule's learning rate at the state's count
     (``{"lr": schedule(count)}``); ``chain`` and ``masked`` pass their members' on. A caller
-    may check them (fzero's engine skips a step whose values are not finite) or report them."""
+    may check them (fzero's engine skips a step whose values are not finite) or report them.
+
+    ``block``: how many consecutive elements of a flat params tensor the state groups together
+    (8-bit moments keep one scale per block: ``transforms.quantize.BLOCK``); 1 for an
+    elementwise state. A caller running the transform on a flat shard gives it a whole number
+    of blocks, and cuts it into chunks only at block edges (fzero's engine aligns every rank's
+    slice to it); the state then holds ``[S]`` tensors, ``[S / block]`` per-block tensors and
+    0-d ones. ``chain`` takes the least common multiple of its members'."""
 
     init: Callable[..., Any]
     update: Callable[..., tuple[Any, Any]]
     fused: Callable[..., Any] | None = None
     hyperparams: Callable[[Any], dict] | None = None
+    block: int = 1
 
 
 class ShardContext(NamedTuple):
@@ -159,13 +167,14 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         return {k: v for tx, s in zip(txs, state) if tx.hyperparams for k, v in tx.hyperparams(s).items()}
 
     hyper = hyperparams if any(tx.hyperparams for tx in txs) else None
+    block = math.lcm(*(tx.block for tx in txs)) if txs else 1
     # A member that updates the params must be the last one: a member after it would transform
     # updates that its kernel never produces.
     every_fused = bool(txs) and all(tx.fused is not None for tx in txs)
     if every_fused and not any(updates_params(tx.fused) for tx in txs[:-1]):
         fused.updates_params = updates_params(txs[-1].fused)
-        return GradientTransformation(init, update, fused, hyper)
-    return GradientTransformation(init, update, None, hyper)
+        return GradientTransformation(init, update, fused, hyper, block)
+    return GradientTransformation(init, update, None, hyper, block)
 
 
 def updates_params(fused) -> bool:
@@ -210,7 +219,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         return chosen, MaskedState(inner_state, state.mask)
 
     hyperparams = inner.hyperparams and (lambda state: inner.hyperparams(state.inner))
-    return GradientTransformation(init, update, None, hyperparams)
+    return GradientTransformation(init, update, None, hyperparams, inner.block)
 
 
 def _finite_at_least_0(v: float) -> bool:

@@ -66,6 +66,7 @@ from . import commit, lock, manifest, reshard
 from .collective import agree, ready
 from .commit import need_safetensors, no_hook
 from .export import EXPORT_FORMAT, export_full, full_master
+from .form import engine_form, saved_form
 from .manifest import FORMAT
 from .snapshot import open_snapshot, read_snapshot_manifest, verify_snapshot
 from .strict_json import VERSION, CheckpointError
@@ -87,7 +88,7 @@ def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tupl
     # the one place the params are used (checked as step checks them); master="remainder":
     # the FP32 master joined from this rank's shard of them and the remainder
     # (params edited since the step, or of another step with the remainder, raise here)
-    names, leaves, _ = leaf_paths(engine.with_fp32_master(params, state, where="checkpoint.save"))
+    names, leaves, _ = leaf_paths(saved_form(engine.with_fp32_master(params, state, where="checkpoint.save")))
     kinds = manifest.classify(names, leaves, engine.layout.shard_numel)
     return names, leaves, kinds, manifest.extra_json(extra)
 
@@ -210,7 +211,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
         warnings.warn(f"load {path}: the optimizer's configuration (hyperparameters, masks) differs from the "
                       f"checkpoint's; the engine's takes effect (load(..., hyperparams=\"checkpoint\") restores the "
                       f"saved one): {'; '.join(items)}", stacklevel=2)
-    state = t.spec.unflatten(leaves)
+    state = engine_form(t.spec.unflatten(leaves), t.engine_state)  # 8-bit moments quantized into this layout's blocks
     with torch.no_grad():
         shard = cast_params(state.master, engine.param_dtype, copy=True).to(engine.device)
         params = unflatten(comm.all_gather(shard, layout), layout)

@@ -10,9 +10,10 @@ import optree
 import torch
 
 from ..engine import Engine, ZeroState
-from ..flat import Layout, unflatten
+from ..flat import Layout, leaf_paths, unflatten
 from . import commit
 from .collective import agree, ready
+from .form import saved_form
 from .strict_json import CheckpointError, dtype_name
 
 __all__ = ["EXPORT_FORMAT", "export_full", "full_master"]
@@ -43,14 +44,18 @@ def _gathered(master: torch.Tensor, engine: Engine):
     return unflatten(flat, engine.layout)
 
 
-def export_full(path, params_or_state, engine: Engine) -> None:
+def export_full(path, params_or_state, engine: Engine, *, moments: bool = False) -> None:
     """Write one consolidated safetensors file at ``path``, keyed by leaf path
     (``"blocks/0/attn/qkv_w"``): the FP32 master weights when given the ``ZeroState`` (an
     all-gather: call on every rank), or the ``param_dtype`` params when given the params.
     Rank 0 writes it (to a temporary file, then an atomic rename); collective.
 
-    For an ``nn.Module``: ``module.load_state_dict({k.replace("/", "."): v for k, v in
-    safetensors.torch.load_file(path).items()})``.
+    ``moments`` (with the ``ZeroState``): also every floating ``[S]`` leaf of the transform
+    state -- Adam's moments -- as FP32 (8-bit moments dequantized, BF16 ones widened), keyed by
+    the state leaf's path and the params leaf's (``"tx_state/0/mu/blocks/0/attn/qkv_w"``).
+
+    For an ``nn.Module`` (without ``moments``): ``module.load_state_dict({k.replace("/", "."): v
+    for k, v in safetensors.torch.load_file(path).items()})``.
     """
     commit.need_safetensors()
     layout, comm = ready(engine)
@@ -65,16 +70,27 @@ def export_full(path, params_or_state, engine: Engine) -> None:
         if master.shape != (layout.shard_numel,):
             raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
         leaves = optree.tree_leaves(_gathered(master, engine))
+        keys = list(layout.paths)
         kind = "master"
+        if moments:
+            kind = "master+moments"
+            names, shards, _ = leaf_paths(saved_form(params_or_state.tx_state))
+            for name, shard in zip(names, shards):
+                if shard.is_floating_point() and shard.shape == (layout.shard_numel,):
+                    leaves += [x.float() for x in optree.tree_leaves(_gathered(shard, engine))]
+                    keys += [f"tx_state/{name}/{p}" for p in layout.paths]
     else:
+        if moments:
+            raise CheckpointError("export_full(..., moments=True) needs the ZeroState (the moments are state), not the params")
         _check_params(params_or_state, layout)
         leaves = optree.tree_leaves(params_or_state)
+        keys = list(layout.paths)
         kind = "params"
 
     def write():
         if comm.rank != 0 or comm.replica != 0:
             return None
-        tensors = {p: leaf.detach().to("cpu").clone().contiguous() for p, leaf in zip(layout.paths, leaves)}
+        tensors = {k: leaf.detach().to("cpu").clone().contiguous() for k, leaf in zip(keys, leaves)}
         meta = {"format": EXPORT_FORMAT, "kind": kind, "dtype": dtype_name(leaves[0].dtype)}
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"

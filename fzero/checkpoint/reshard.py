@@ -38,7 +38,8 @@ from fzero.transforms.base import MaskedState, named_tuples
 from ..flat import Layout
 from ..scaler import DynamicLossScale, LossScaleState
 from .snapshot import Template, check_shard, vanished
-from .strict_json import CheckpointError, from_json_value
+from .form import CONVERTIBLE
+from .strict_json import CheckpointError, dtype_name, from_json_value
 
 __all__ = ["overlaps", "verifiers", "check_sums", "read_state", "mask_differences"]
 
@@ -208,7 +209,7 @@ def _read_file(path: str, snapshot: str, entry: dict, pieces: list, t: Template,
                 raise CheckpointError(f"shard file {file}: state leaf {name!r} has shape {sl.get_shape()}, expected [{length}]")
             for fpos, spos, m in pieces:
                 src = sl[fpos : fpos + m]
-                if src.dtype != out[i].dtype:
+                if src.dtype != out[i].dtype and not {dtype_name(src.dtype), dtype_name(out[i].dtype)} <= set(CONVERTIBLE):
                     raise CheckpointError(f"shard file {file}: state leaf {name!r} is {src.dtype}, expected {out[i].dtype}")
                 out[i][spos : spos + m].copy_(src)
 

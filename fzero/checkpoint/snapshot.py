@@ -20,6 +20,7 @@ from ..engine import ZeroState
 from ..flat import Layout, leaf_paths
 from ..scaler import DynamicLossScale, LossScaleState
 from .commit import POINTER, file_sha256, read_pointer
+from .form import CONVERTIBLE, saved_form
 from .manifest import MANIFEST, classify, validate_manifest
 from .strict_json import CheckpointError, Fields, dtype_name, parse_json
 
@@ -27,7 +28,9 @@ __all__ = ["Template", "vanished", "read_snapshot_manifest", "check_shard", "ver
 
 
 class Template(NamedTuple):
-    """A fresh state of the engine, flattened: what ``load`` fills."""
+    """A fresh state of the engine in the form a checkpoint holds (``form.saved_form``),
+    flattened: what ``load`` fills. ``engine_state``: the fresh state as the engine holds it
+    (``form.engine_form`` turns the filled one back)."""
 
     state: ZeroState
     scaler: LossScaleState
@@ -35,6 +38,7 @@ class Template(NamedTuple):
     leaves: list
     spec: Any
     kinds: list
+    engine_state: ZeroState
 
 
 def vanished(path: str, snapshot: str, file: str, what: str) -> CheckpointError:
@@ -107,7 +111,8 @@ def _check_state(manifest: dict, names, leaves, kinds, where: str) -> None:
                 f"state (a different transform?); this engine has {names}"
             )
         kind, dtype = have[e["name"]]
-        if (e["kind"], e["dtype"]) != (kind, dtype):
+        moments = kind == e["kind"] == "shard" and {dtype, e["dtype"]} <= set(CONVERTIBLE)  # loads converted
+        if (e["kind"], e["dtype"]) != (kind, dtype) and not moments:
             raise CheckpointError(
                 f"{where}: state leaf {e['name']!r} is {e['kind']} {e['dtype']} in the checkpoint but {kind} {dtype} here"
             )
@@ -158,9 +163,10 @@ def open_snapshot(path: str, snapshot: str, digest: str, engine, layout: Layout)
     """Every rank: the snapshot's manifest, checked against this engine; the state to fill."""
     manifest = read_snapshot_manifest(path, snapshot, digest)
     where = os.path.join(path, snapshot, MANIFEST)
-    state, scaler = engine.state_like()
+    engine_state, scaler = engine.state_like()
+    state = saved_form(engine_state)
     names, leaves, spec = leaf_paths(state)
-    template = Template(state, scaler, names, leaves, spec, classify(names, leaves, layout.shard_numel))
+    template = Template(state, scaler, names, leaves, spec, classify(names, leaves, layout.shard_numel), engine_state)
     _check_loss_scale(manifest, engine, where)
     _check_model(manifest, layout, where)
     _check_state(manifest, names, leaves, template.kinds, where)

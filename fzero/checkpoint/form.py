@@ -1,0 +1,47 @@
+"""The optimizer state as a checkpoint holds it, and back.
+
+A checkpoint stores every ``[S]`` leaf element by element in global coordinates, which is what
+lets it load at any world size. 8-bit moments (``transforms.quantize.Quantized``: codes and one
+scale per block) are not elementwise, and their blocks follow the saving engine's layout, so a
+checkpoint stores them dequantized, as FP32 ``[S]`` leaves named like the moment
+(``tx_state/0/0/mu``); the loading engine quantizes them again into its own blocks. Moments
+stored as FP32, BF16 or 8 bits therefore load into an engine that stores them in any of the
+three: the loaded moments are the saved ones as FP32, then stored as the engine stores them
+(BF16: rounded to nearest; 8 bits: quantized; ``quantize`` of a dequantized moment gives back
+its codes and scales, so a resume at the same world size and dtype is exact).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from fzero.transforms.quantize import Quantized, dequantize, quantize
+
+__all__ = ["saved_form", "engine_form", "CONVERTIBLE"]
+
+# shard leaves a load converts between (the moment dtypes a checkpoint may hold): a saved
+# leaf of one loads into an engine leaf of another
+CONVERTIBLE = ("float32", "bfloat16")
+
+
+def _is_quantized(x: Any) -> bool:
+    return isinstance(x, Quantized)
+
+
+def saved_form(state: Any) -> Any:
+    """``state`` with every ``Quantized`` moment dequantized to FP32 (other leaves as they are,
+    the same tensors)."""
+    return optree.tree_map(lambda x: dequantize(x) if _is_quantized(x) else x, state, is_leaf=_is_quantized)
+
+
+def engine_form(saved: Any, like: Any) -> Any:
+    """The inverse for an engine whose fresh state is ``like``: each FP32 leaf where ``like``
+    has a ``Quantized`` moment quantized on that moment's map; every other leaf as it is."""
+    def back(template, value):
+        if _is_quantized(template):
+            return quantize(value, signed=template.codes.dtype == torch.int8)
+        return value
+
+    return optree.tree_map(back, like, saved, is_leaf=_is_quantized)
