@@ -83,16 +83,23 @@ def moments_table(args, table) -> list:
             if (master, moments) != ("fp32", "fp32"):
                 goals.append((f"{name}: mean final val within 1% of FP32 moments, no divergence, no extra skips",
                               abs(mean - ref) <= 0.01 * ref and finite and skipped <= ref_skipped))
-    print(f"\nAdamW's moments on the main job (nano GPT, BF16 params, 1 rank, eager), {args.steps} steps, seeds "
-          f"{args.seeds}; {time.perf_counter() - t0:.0f} s\n")
-    print(table(rows, ["run", "final val loss (mean)", "vs FP32 moments", "per seed", "skipped", "losses finite"]))
+    title = (f"AdamW's moments on the main job (nano GPT, BF16 params, 1 rank, eager), {args.steps} steps, seeds "
+             f"{args.seeds}; {time.perf_counter() - t0:.0f} s")
+    header = ["run", "final val loss (mean)", "vs FP32 moments", "per seed", "skipped", "losses finite"]
+    summaries = {"/".join(map(str, k)): v["summary"] for k, v in results.items()}
+    return report(title, table(rows, header), goals, args, summaries)
+
+
+def report(title: str, rows_table: str, goals: list, args, results) -> list:
+    """Print the table and each goal (met / NOT MET); with ``--json``, write them too."""
+    print(f"\n{title}\n")
+    print(rows_table)
     print()
     for what, ok in goals:
         print(f"{'met' if ok else 'NOT MET'}: {what}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "results": {"/".join(map(str, k)): v["summary"] for k, v in results.items()},
-                       "goals": goals}, f, indent=1)
+            json.dump({"steps": args.steps, "results": results, "goals": goals}, f, indent=1)
     return goals
 
 
@@ -141,16 +148,10 @@ def main(argv=None):
                 plain = results[f"bf16, {ranks} rank(s)"]
                 bitwise = r["losses"] == plain["losses"] and r["summary"]["params_sha256"] == plain["summary"]["params_sha256"]
                 goals.append((f"{key}: bitwise equal to BF16 with an FP32 master", bitwise))
-    print(f"\nThe main job (nano GPT, embedded text, seed 0, global batch 16, eager), {args.steps} steps; "
-          f"{time.perf_counter() - t0:.0f} s\n")
-    print(table(rows, ["run", "final val loss", "vs FP32", "max |train loss - FP32|", "skipped", "params bitwise equal to"]))
-    print()
-    for what, ok in goals:
-        print(f"{'met' if ok else 'NOT MET'}: {what}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "results": results, "goals": goals}, f, indent=1)
-    return goals
+    title = (f"The main job (nano GPT, embedded text, seed 0, global batch 16, eager), {args.steps} steps; "
+             f"{time.perf_counter() - t0:.0f} s")
+    header = ["run", "final val loss", "vs FP32", "max |train loss - FP32|", "skipped", "params bitwise equal to"]
+    return report(title, table(rows, header), goals, args, results)
 
 
 if __name__ == "__main__":
