@@ -5,7 +5,8 @@ and ``update(updates, state, params=None, **extra)``; they work on any pytree. A
 applies them to a flat shard of a pytree (fzero's engine: one rank's FP32 shard) passes
 ``context=ShardContext(tree, to_shard)`` to ``init``, so that masks still refer to the pytree's
 leaves (see ``transforms.base``). ``scalar`` and ``hyperparam`` are the helpers for the 0-d
-tensors of states and steps (see ``transforms.scalars``).
+tensors of states and steps (see ``transforms.scalars``). ``transforms.quantize`` is the 8-bit
+block-wise storage of ``adamw(mu_dtype=torch.int8, nu_dtype=torch.int8)``'s moments.
 """
 from .adam import ScaleByAdamState, adamw, scale_by_adam
 from .base import (
