@@ -61,6 +61,7 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
     layout, comm = ready(engine)
     comm.arrive("checkpoint.export_full", timeout=engine.call_timeout)
     path = os.path.abspath(os.fspath(path))
+    keys = list(layout.paths)  # and, with moments, each moment's leaves after the master's
     if isinstance(params_or_state, ZeroState):
         master = params_or_state.master
         if master.dtype != torch.float32 or master.numel() == 0:  # the remainder; the params' (master="params")
@@ -70,7 +71,6 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
         if master.shape != (layout.shard_numel,):
             raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
         leaves = optree.tree_leaves(_gathered(master, engine))
-        keys = list(layout.paths)
         kind = "master"
         if moments:
             kind = "master+moments"
@@ -84,7 +84,6 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
             raise CheckpointError("export_full(..., moments=True) needs the ZeroState (the moments are state), not the params")
         _check_params(params_or_state, layout)
         leaves = optree.tree_leaves(params_or_state)
-        keys = list(layout.paths)
         kind = "params"
 
     def write():

@@ -19,11 +19,17 @@ import torch
 
 from fzero.transforms.quantize import Quantized, dequantize, quantize
 
-__all__ = ["saved_form", "engine_form", "CONVERTIBLE"]
+__all__ = ["saved_form", "engine_form", "converts"]
 
 # shard leaves a load converts between (the moment dtypes a checkpoint may hold): a saved
 # leaf of one loads into an engine leaf of another
 CONVERTIBLE = ("float32", "bfloat16")
+
+
+def converts(saved: str, engine: str) -> bool:
+    """Whether a saved ``[S]`` leaf of dtype ``saved`` (a checkpoint's dtype name) loads into an
+    engine leaf of dtype ``engine``: the same dtype, or FP32 and BF16 either way (moments)."""
+    return saved == engine or {saved, engine} <= set(CONVERTIBLE)
 
 
 def _is_quantized(x: Any) -> bool:

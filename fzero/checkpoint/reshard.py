@@ -38,7 +38,7 @@ from fzero.transforms.base import MaskedState, named_tuples
 from ..flat import Layout
 from ..scaler import DynamicLossScale, LossScaleState
 from .snapshot import Template, check_shard, vanished
-from .form import CONVERTIBLE
+from .form import converts
 from .strict_json import CheckpointError, dtype_name, from_json_value
 
 __all__ = ["overlaps", "verifiers", "check_sums", "read_state", "mask_differences"]
@@ -209,7 +209,7 @@ def _read_file(path: str, snapshot: str, entry: dict, pieces: list, t: Template,
                 raise CheckpointError(f"shard file {file}: state leaf {name!r} has shape {sl.get_shape()}, expected [{length}]")
             for fpos, spos, m in pieces:
                 src = sl[fpos : fpos + m]
-                if src.dtype != out[i].dtype and not {dtype_name(src.dtype), dtype_name(out[i].dtype)} <= set(CONVERTIBLE):
+                if not converts(dtype_name(src.dtype), dtype_name(out[i].dtype)):
                     raise CheckpointError(f"shard file {file}: state leaf {name!r} is {src.dtype}, expected {out[i].dtype}")
                 out[i][spos : spos + m].copy_(src)
 

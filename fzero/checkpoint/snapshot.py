@@ -20,7 +20,7 @@ from ..engine import ZeroState
 from ..flat import Layout, leaf_paths
 from ..scaler import DynamicLossScale, LossScaleState
 from .commit import POINTER, file_sha256, read_pointer
-from .form import CONVERTIBLE, saved_form
+from .form import converts, saved_form
 from .manifest import MANIFEST, classify, validate_manifest
 from .strict_json import CheckpointError, Fields, dtype_name, parse_json
 
@@ -111,8 +111,7 @@ def _check_state(manifest: dict, names, leaves, kinds, where: str) -> None:
                 f"state (a different transform?); this engine has {names}"
             )
         kind, dtype = have[e["name"]]
-        moments = kind == e["kind"] == "shard" and {dtype, e["dtype"]} <= set(CONVERTIBLE)  # loads converted
-        if (e["kind"], e["dtype"]) != (kind, dtype) and not moments:
+        if e["kind"] != kind or not (e["dtype"] == dtype or kind == "shard" and converts(e["dtype"], dtype)):
             raise CheckpointError(
                 f"{where}: state leaf {e['name']!r} is {e['kind']} {e['dtype']} in the checkpoint but {kind} {dtype} here"
             )
