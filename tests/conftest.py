@@ -29,6 +29,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(item.get_closest_marker(t) for t in TIERS[1:]):
             item.add_marker(pytest.mark.unit)
+    # The end-to-end, then the multi-rank tests first (a stable sort: file order within a tier):
+    # pytest-xdist's workers then end the run on short unit tests that fill each other's gaps,
+    # not with one worker idle while the other finishes a minute-long compiled run.
+    items.sort(key=lambda item: -TIERS.index(tier_of(item)))
 
 
 def tier_of(item) -> str:
