@@ -9,6 +9,11 @@ chunk by chunk; BF16 and 8-bit ones the generic update. Compiled: ``torch.compil
 fullgraph=True)``. The ratio of each row to the FP32-moment row of the same kind comes from
 alternating paired rounds (``--rounds``), which cancel drift in the machine's speed.
 
+The last row, ``codec``, is the floor under the 8-bit step: only decoding and encoding both
+moments of every shard element (``transforms.quantize``'s ``dequantize`` then ``quantize``, in
+place, compiled, nothing else), paired against the compiled FP32-moment step. An 8-bit step does
+at least this work on top of Adam's arithmetic.
+
     python benchmarks/moments.py                          # 8.4e6 elements, CPU or the GPU
     python benchmarks/moments.py --numel 1e9 --device cuda
 """
@@ -23,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
+from fzero.transforms import quantize  # noqa: E402
 from common import hardware, median_time, paired_ratio, table  # noqa: E402
 from traffic import measure, parse_sizes  # noqa: E402
 
@@ -46,6 +52,24 @@ def fzero_step(shapes, dev, moments, *, compiled: bool):
     return step, engine.state_bytes(carry[1]) / engine.layout.shard_numel
 
 
+def codec_step(shapes, dev):
+    """Decode and encode both moments of ``sum(shapes)`` elements in place, compiled: the
+    quantization work of one 8-bit step and nothing else."""
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    numel += -numel % quantize.BLOCK
+    state = [quantize.quantize(torch.randn(numel, device=dev) * 1e-3, signed=True),
+             quantize.quantize(torch.rand(numel, device=dev) * 1e-6, signed=False)]
+
+    def roundtrip(qs):
+        for q in qs:
+            again = quantize.quantize(quantize.dequantize(q), signed=q.codes.dtype == torch.int8)
+            q.codes.copy_(again.codes)
+            q.scale.copy_(again.scale)
+
+    compiled = torch.compile(roundtrip, fullgraph=True)
+    return lambda: compiled(state)
+
+
 def main(argv=None):
     args, dev, shapes, P, iters, rounds = parse_sizes(argv, __doc__, "each row vs the FP32-moment row")
     results, rows = {}, []
@@ -65,6 +89,11 @@ def main(argv=None):
             r["x_fp32"] = 1.0 if name == "fp32" else paired_ratio(steps[name], steps["fp32"], dev, rounds=rounds)
             rows.append([kind, name, f"{r['state_B_per_elem']:.3f}", "-" if r["B_per_elem"] is None else
                          f"{r['B_per_elem']:.1f}", f"{r['ms']:.2f}", f"{r['x_fp32']:.2f}"])
+        if kind == "compiled":
+            codec = codec_step(shapes, dev)
+            t = median_time(codec, dev, iters=iters, warmup=2)
+            results["codec"] = {"ms": t * 1e3, "x_fp32": paired_ratio(codec, steps["fp32"], dev, rounds=rounds)}
+            rows.append(["codec (floor)", "int8", "-", "-", f"{t * 1e3:.2f}", f"{results['codec']['x_fp32']:.2f}"])
         steps.clear()
     print(f"\n{P:,} elements in {len(shapes)} leaves on {hardware(dev)}; median of {iters} steps; x FP32 moments: "
           f"median of {rounds} alternating rounds of 5 steps (goal for int8: <= {GOAL}x, eager and compiled)\n")

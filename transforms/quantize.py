@@ -72,11 +72,16 @@ def zeros(like: torch.Tensor, *, signed: bool) -> Quantized:
 
 def quantize(x: torch.Tensor, *, signed: bool) -> Quantized:
     """``x`` (FP32; ``signed=False``: >= 0) in 8 bits with one scale per block (module doc).
-    A non-finite element makes its block's scale non-finite (a skipped step never stores one)."""
+    A non-finite element makes its block's scale non-finite (a skipped step never stores one).
+
+    Each element is multiplied by its block's ``1 / scale`` instead of divided by ``scale``
+    (a division per block, not per element: on a CPU the quantized update is bound by its
+    divisions and square roots, ``benchmarks/moments.py``); a value at the scale may map to
+    ``1 +- 2^-23``, which rounds to the top code all the same."""
     rows = _blocks(x.float())
     scale = rows.abs().amax(dim=1)
-    # 0-blocks: divide by 1 instead of 0 (their codes are 0 either way)
-    y = rows / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    # 0-blocks: multiply by 1 instead of 1/0 (their codes are 0 either way)
+    y = rows * torch.where(scale > 0, scale, 1.0).reciprocal().unsqueeze(1)
     if signed:
         codes = (y.abs().sqrt() * _SIGNED_LEVELS).round().copysign(y).to(torch.int8)
     else:
@@ -85,11 +90,15 @@ def quantize(x: torch.Tensor, *, signed: bool) -> Quantized:
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
-    """The FP32 moment that ``q`` stores, shaped like ``q.codes``."""
+    """The FP32 moment that ``q`` stores, shaped like ``q.codes``: ``(c |c| / 127^2) scale``
+    (signed) or ``((c + 1) / 256)^4 scale`` (non-negative), each division a multiplication by
+    the reciprocal: ``c |c|`` is exact and ``127^2`` times FP32's ``1/127^2`` rounds to exactly
+    1, so the top code gives back the scale itself (quantizing again gives the same scales);
+    ``1/256`` is exact."""
     rows = _blocks(q.codes).float()
     if q.codes.dtype == torch.int8:
-        y = (rows / _SIGNED_LEVELS).square().copysign(rows)
+        y = rows * rows.abs() * (1 / _SIGNED_LEVELS**2)
     else:
-        y = ((rows + 1) / _UNSIGNED_LEVELS).square().square()
+        y = ((rows + 1) * (1 / _UNSIGNED_LEVELS)).square().square()
     # an all-zero block: scale 0 gives 0 whatever the codes (and the non-negative map has no 0)
     return _unblocks(y * q.scale.unsqueeze(1), q.codes)
