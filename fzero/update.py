@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fzero.transforms import FusedStep, scalar
 
@@ -22,7 +23,7 @@ from .grads import Reduced, Segments
 from .mode import StepMode, compiling
 from .remainder import round_bf16
 
-__all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "generic_whole", "sum_of_squares",
+__all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole", "COMPILE_NUMEL", "sum_of_squares",
            "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
@@ -179,12 +180,14 @@ class ShardGrads(NamedTuple):
     def segments(self) -> Segments:
         return self.shard if isinstance(self.shard, Segments) else Segments.of(self.shard, self.owned)
 
-    def mean(self, device: torch.device) -> torch.Tensor:
-        """The FP32 mean unscaled grads ``[S]`` on ``device``: one FP32 multiply; ``Segments``
-        (read for a fused kernel that declined) divided by ``grad_scale`` as the kernel would."""
+    def mean(self, device: torch.device, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """The FP32 mean unscaled grads ``[lo:hi]`` (default: all ``[S]``) on ``device``: one
+        FP32 multiply; ``Segments`` (read for a fused kernel that declined) divided by
+        ``grad_scale`` as the kernel would."""
         if isinstance(self.shard, Segments):
-            return self.shard.fp32(0, self.shard.numel, device) / self.grad_scale.to(device)
-        return (self.shard.float() * scalar(self.factor / (self.scale * self.count))).to(device)
+            hi = self.shard.numel if hi is None else hi
+            return self.shard.fp32(lo, hi, device) / self.grad_scale.to(device)
+        return (self.shard[lo:hi].float() * scalar(self.factor / (self.scale * self.count))).to(device)
 
 
 # The update variants (like torch.optim's _fused_adamw / _multi_tensor_adamw / _single_tensor_adamw)
@@ -232,29 +235,80 @@ def generic_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *,
 
 def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
     """``tx.update`` chunk by chunk, written into full-size outputs (the inputs' own buffers with
-    ``donate``): eager, each op's temporary stays cache-sized."""
-    g, S, block = grads.mean(master.device), master.numel(), tx.block
-    sized = lambda x: x.shape == (S,) or _per_block(x, S, block)  # noqa: E731
-    outs = None
+    ``donate``): eager, each op's temporary stays cache-sized, the grads' mean included."""
+    return _by_chunks(_update, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=chunk,
+                      donate=donate, out=out)
+
+
+def compiled_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate,
+                    out):
+    """``generic_chunks`` with each chunk's update compiled by ``torch.compile`` (inductor: one
+    loop per chunk instead of one eager op after another), for state torch's fused kernels
+    cannot take: BF16 or 8-bit moments. Compiled once per chunk shape and transform: the first
+    step pays for it, as torchao's ``AdamW8bit`` compiles its per-parameter step
+    (``benchmarks/moments.py``). Chunks are whole blocks, so the results do not depend on the
+    chunking. The compiled update returns its chunk and the copy into the outputs is eager:
+    copied inside the graph into slices of the outputs, inductor (torch 2.13, CPU) left some of
+    them unwritten (``tests/test_update.py`` holds the results to the eager ones)."""
+    return _by_chunks(_compiled_update(), tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype,
+                      chunk=chunk, donate=donate, out=out)
+
+
+def _compiled_update():
+    """``_update`` under ``torch.compile``, made on first use (compiling is lazy either way)."""
+    global _COMPILED_UPDATE
+    if _COMPILED_UPDATE is None:
+        _COMPILED_UPDATE = torch.compile(_update, fullgraph=True, dynamic=False)
+    return _COMPILED_UPDATE
+
+
+_COMPILED_UPDATE = None
+
+
+def _by_chunks(update, tx, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
+    """``update`` (``_update`` or its compiled form) chunk by chunk, each result copied into
+    full-size outputs made before the first chunk: the inputs' own buffers with ``donate``."""
+    S, block, device = master.numel(), tx.block, master.device
+    sized = lambda x: isinstance(x, torch.Tensor) and (x.shape == (S,) or _per_block(x, S, block))  # noqa: E731
+    full = lambda x: (x if donate else torch.empty_like(x)) if sized(x) else x  # noqa: E731
+    outs = (full(master), optree.tree_map(full, tx_state), torch.empty(S, dtype=param_dtype, device=device)
+            if out is None else out)
+    new_state = tx_state
     for lo, hi in _chunks(S, chunk, block):
-        res = _update(tx, g[lo:hi], master[lo:hi], _slices(tx_state, S, block, lo, hi), skip, norm, param_dtype)
-        if outs is None:  # full-size outputs; 0-d leaves as the first chunk computed them
-            full = lambda old, new: (old if donate else torch.empty_like(old)) if sized(old) else new  # noqa: E731
-            outs = (full(master, res[0]), optree.tree_map(full, tx_state, res[1]),
-                    torch.empty(S, dtype=param_dtype, device=g.device) if out is None else out)
+        res = update(tx, grads.mean(device, lo, hi), master[lo:hi], _slices(tx_state, S, block, lo, hi), skip, norm,
+                     param_dtype)
         for o, new in zip(optree.tree_leaves(_slices(outs, S, block, lo, hi)), optree.tree_leaves(res)):
-            if o.data_ptr() != new.data_ptr() and o.ndim:  # the [S] and per-block tensors' chunk
+            if o.ndim and o.data_ptr() != new.data_ptr():  # the [S] and per-block tensors' chunk
                 o.copy_(new)
-    return outs
+        new_state = res[1]
+    # the [S] and per-block tensors written, the 0-d leaves as the last chunk computed them
+    return outs[0], optree.tree_map(lambda o, n: o if sized(o) else n, outs[1], new_state), outs[2]
+
+
+COMPILE_NUMEL = 2**20  # eager shards from this size up compile their update when it has no fused kernel
+
+
+def _low_precision(tx_state, S: int) -> bool:
+    """Whether the transform state holds ``[S]`` tensors below FP32 (BF16 or 8-bit moments)."""
+    return any(isinstance(x, torch.Tensor) and x.shape == (S,) and x.dtype != torch.float32
+               for x in optree.tree_leaves(tx_state))
 
 
 def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: int):
     """``(variant, fused)`` for this step's update of an ``[numel]`` shard: ``fused_chunks`` with
     the transform's ``FusedStep`` when the step is fused and the transform does not decline it
     (it decides from its state, before anything is written; ``skip``/``norm`` on the state
-    device), else ``generic_chunks`` or ``generic_whole`` (``mode.chunk``), with ``None``."""
+    device), else ``generic_chunks`` or ``generic_whole`` (``mode.chunk``), with ``None``;
+    ``compiled_chunks`` instead of ``generic_chunks`` for BF16 or 8-bit state on a shard of at
+    least ``COMPILE_NUMEL`` elements (below that, compiling costs more than it saves) when no
+    ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops)."""
     if mode.fused:
         fused = tx.fused(tx_state, grad_scale=grads.grad_scale.to(mode.state_device), found_inf=skip, grad_norm=norm)
         if fused is not None and fused.kernel is not None:
             return fused_chunks, fused
-    return (generic_whole if mode.chunk is None or mode.chunk >= numel else generic_chunks), None
+    if mode.chunk is None or mode.chunk >= numel:
+        return generic_whole, None
+    if (not mode.compiled and numel >= COMPILE_NUMEL and _low_precision(tx_state, numel)
+            and _get_current_dispatch_mode() is None):  # torch.compile does not run under a dispatch mode
+        return compiled_chunks, None
+    return generic_chunks, None

@@ -1,6 +1,8 @@
 """fzero.update: the update variants (fused kernel chunk by chunk, generic chunked, generic on the
 whole shard), the choice between them, the saturating cast and the grad norm's sum of squares."""
 
+import contextlib
+
 import optree
 import pytest
 import torch
@@ -172,6 +174,56 @@ def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, don
     assert tree_equal(out[None][0], out[100][0]) and tree_equal(out[None][1], out[100][1])
     counts = [int(x) for x in optree.tree_leaves(out[100][1].tx_state) if x.dtype == torch.int32]
     assert counts and all(c == 4 for c in counts)  # 0-d state: advanced once per applied step, not per chunk
+
+
+@pytest.mark.parametrize("moments,donate", [(torch.bfloat16, False), (torch.int8, True)])
+def test_low_precision_moments_compile_their_chunk_update_and_skip_the_same(moments, donate, monkeypatch):
+    """From ``COMPILE_NUMEL`` shard elements (lowered here to 512), an eager step with BF16 or
+    8-bit moments runs its chunks through one compiled update: the eager ops' results to float
+    rounding (an 8-bit code at most one level away, rarely), bitwise whatever the chunking, every
+    state bit kept on a skipped step; under a dispatch mode (which torch.compile does not run
+    under) the eager ops instead."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    p0 = mlp.init(torch.Generator().manual_seed(0), (16, 64, 4))  # a shard of 1536 elements: 6 blocks
+    grads_list = [optree.tree_map(lambda g: (g * 8).half(), grads_like(p0, i)) for i in range(4)]
+    grads_list[2]["layers"][1]["w"][3, 1] = float("nan")  # step 3 is skipped
+    tx = transforms.adamw(lr=1e-2, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments)
+    calls = []
+    compiled = fzero.update.compiled_chunks
+    monkeypatch.setattr(fzero.update, "compiled_chunks", lambda *a, **kw: calls.append(kw["chunk"]) or compiled(*a, **kw))
+
+    def train(compile_numel, chunk, mode=contextlib.nullcontext):
+        monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", compile_numel)
+        engine = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=fzero.StaticLossScale(8.0), donate=donate,
+                             chunk_numel=chunk)
+        params, state, ss = engine.init(p0)
+        for i, grads in enumerate(grads_list):
+            before = optree.tree_map(torch.clone, state)
+            with mode():
+                params, state, ss, info = engine.step(params, grads, state, ss)
+            if i == 2:
+                assert info["found_inf"] and tree_equal(state, before)
+        return params, state
+
+    eager = train(2**40, 256)
+    assert calls == []
+    by_256, by_768 = train(512, 256), train(512, 768)  # chunks of 256 (6), then of 768 (2)
+    assert calls == [256] * 4 + [768] * 4
+    assert tree_equal(by_256, by_768)
+    assert tree_equal(train(512, 256, Passthrough), eager) and len(calls) == 8
+    tree_assert_close(by_256[0], eager[0], rtol=2e-3, atol=0)  # FP16 params: one FP16 step apart at most
+    torch.testing.assert_close(by_256[1].master, eager[1].master, rtol=1e-6, atol=1e-7)
+    for a, b in zip(optree.tree_leaves(by_256[1].tx_state), optree.tree_leaves(eager[1].tx_state)):
+        if a.dtype == torch.int8 or a.dtype == torch.uint8:
+            diff = (a.int() - b.int()).abs()
+            assert diff.max() <= 1 and diff.float().mean() < 0.01
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------- the fused AdamW path
