@@ -2,13 +2,14 @@
 time, bytes touched per element (eager, ``benchmarks/traffic.py``'s counter) and the paired ratio
 to the FP32-moment step of the same kind.
 
-Every row is ``engine.step`` at world size 1 on ``traffic.py``'s leaves (8.4e6 elements in 24
-leaves by default), FP16 grads in a pytree, dynamic loss scale, ``donate=True``, FP32 master;
+Every row is ``engine.step`` at world size 1 on ``traffic.py``'s leaves (8.4e6 elements in 24 leaves
+by default), FP16 grads in a pytree, dynamic loss scale, ``donate=True``, FP32 master;
 ``adamw(lr=1e-4, mu_dtype=m, nu_dtype=m)``. Eager, FP32 moments take torch's fused AdamW kernel
 chunk by chunk; BF16 and 8-bit ones the generic update, each chunk's compiled from
-``fzero.update.COMPILE_NUMEL`` elements up (no bytes counted then: the counter sees eager ops only). Compiled: ``torch.compile(engine.step,
-fullgraph=True)``. The ratio of each row to the FP32-moment row of the same kind comes from
-alternating paired rounds (``--rounds``), which cancel drift in the machine's speed.
+``fzero.update.COMPILE_NUMEL`` elements up (no bytes counted then: the counter sees eager ops only).
+Compiled: ``torch.compile(engine.step, fullgraph=True)``. The ratio of each row to the FP32-moment
+row of the same kind comes from alternating paired rounds (``--rounds``), which cancel drift in the
+machine's speed.
 
 The last row, ``codec``, is the floor under the 8-bit step: only decoding and encoding both
 moments of every shard element (``transforms.quantize``'s ``dequantize`` then ``quantize``, in

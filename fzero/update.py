@@ -23,8 +23,8 @@ from .grads import Reduced, Segments
 from .mode import StepMode, compiling
 from .remainder import round_bf16
 
-__all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole", "COMPILE_NUMEL", "sum_of_squares",
-           "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
+__all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole",
+           "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
 def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
@@ -290,8 +290,11 @@ COMPILE_NUMEL = 2**20  # eager shards from this size up compile their update whe
 
 def _low_precision(tx_state, S: int) -> bool:
     """Whether the transform state holds ``[S]`` tensors below FP32 (BF16 or 8-bit moments)."""
-    return any(isinstance(x, torch.Tensor) and x.shape == (S,) and x.dtype != torch.float32
+    return any(isinstance(x, torch.Tensor) and x.shape == (S,) and x.dtype in _LOW_PRECISION
                for x in optree.tree_leaves(tx_state))
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16, torch.int8, torch.uint8)  # not a decay mask's bool
 
 
 def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: int):

@@ -11,7 +11,7 @@ import fzero
 from fzero import transforms
 from fzero.grads import Reduced, Segments
 from fzero.mode import StepMode
-from fzero.update import (ShardGrads, cast_params, choose, fused_chunks, generic_chunks, generic_whole,
+from fzero.update import (ShardGrads, cast_params, choose, compiled_chunks, fused_chunks, generic_chunks, generic_whole,
                           sum_of_squares, write_into)
 from fzero.models import mlp
 from helpers import NewTensors, grads_like, odd_params, tree_assert_close, tree_equal
@@ -81,6 +81,26 @@ def test_choose_takes_the_kernel_only_eager_and_when_the_transform_does_not_decl
     adam = tx_state[1][0]  # a hyperparameter made by arithmetic carries no host value: the kernel declines
     declined = (tx_state[0], (adam._replace(b2=adam.b2 * 1.0), *tx_state[1][1:]))
     assert choose(mode(chunk=100), tx, declined, grads, skip, norm, S) == (generic_chunks, None)
+
+
+def test_choose_compiles_the_chunks_for_bf16_or_8_bit_state_from_compile_numel_up(monkeypatch):
+    """Only BF16 or 8-bit state (not FP32 moments beside a decay mask's bools), only eager and
+    chunked, only from ``COMPILE_NUMEL`` shard elements up."""
+    monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", 1000)
+    skip, norm = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64)
+    tx, master, tx_state, grads = shard_problem()  # FP32 moments, a bool mask
+    assert choose(mode(fused=False, chunk=100), tx, tx_state, grads, skip, norm, 1000) == (generic_chunks, None)
+    for moments in (torch.bfloat16, torch.int8):
+        low = transforms.adamw(lr=1e-2, mu_dtype=moments, nu_dtype=moments)
+        state = low.init(torch.zeros(1024), context=transforms.ShardContext({"w": torch.zeros(1024)}, lambda _: None))
+        assert choose(mode(fused=False, chunk=256), low, state, grads, skip, norm, 1024) == (compiled_chunks, None)
+        assert choose(mode(fused=True, chunk=256), low, state, grads, skip, norm, 1024) == (compiled_chunks, None)
+        monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", 1025)
+        assert choose(mode(fused=False, chunk=256), low, state, grads, skip, norm, 1024) == (generic_chunks, None)
+        monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", 1000)
+        assert choose(mode(fused=False, chunk=None), low, state, grads, skip, norm, 1024) == (generic_whole, None)
+        assert choose(mode(compiled=True, fused=False, chunk=256), low, state, grads, skip, norm, 1024) == (
+            generic_chunks, None)
 
 
 def test_step_mode_decides_each_mode_once():
@@ -195,7 +215,8 @@ def test_low_precision_moments_compile_their_chunk_update_and_skip_the_same(mome
     tx = transforms.adamw(lr=1e-2, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments)
     calls = []
     compiled = fzero.update.compiled_chunks
-    monkeypatch.setattr(fzero.update, "compiled_chunks", lambda *a, **kw: calls.append(kw["chunk"]) or compiled(*a, **kw))
+    monkeypatch.setattr(fzero.update, "compiled_chunks",
+                        lambda *a, **kw: calls.append(kw["chunk"]) or compiled(*a, **kw))
 
     def train(compile_numel, chunk, mode=contextlib.nullcontext):
         monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", compile_numel)
