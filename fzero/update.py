@@ -69,8 +69,8 @@ def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.
     selected as FP32 values and cast back, the same bits (every int8 and uint8 value is an FP32
     one): inductor's CPU code blends 1-byte lanes under a bool mask converted lane by lane, 20 ms
     for 8.4e6 codes against 2 ms for the select in FP32, which also fuses into the loop that
-    computes the codes (``benchmarks/moments.py``: the compiled 8-bit step went from 4.2x to
-    about 3.5x the FP32-moment one; BF16 moments measured the same either way)."""
+    computes the codes (``benchmarks/moments.py``: with the codec's reciprocals, the compiled 8-bit
+    step went from 4.2x to 3.2-3.4x the FP32-moment one; BF16 moments measured the same either way)."""
     if compiling() and old.element_size() == 1:
         return torch.where(skip, old.float(), new.float()).to(old.dtype)
     return torch.where(skip, old, new)
@@ -294,7 +294,7 @@ def _low_precision(tx_state, S: int) -> bool:
                for x in optree.tree_leaves(tx_state))
 
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16, torch.int8, torch.uint8)  # not a decay mask's bool
+_LOW_PRECISION = (torch.bfloat16, torch.int8, torch.uint8)  # the moments' dtypes, not a decay mask's bool
 
 
 def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: int):
