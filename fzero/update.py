@@ -64,6 +64,10 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype):
     return new_master, new_tx_state, cast_params(new_master, param_dtype)
 
 
+# ``_update`` under ``torch.compile`` for ``compiled_chunks`` (nothing compiles before its first call).
+_COMPILED_UPDATE = torch.compile(_update, fullgraph=True, dynamic=False)
+
+
 def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``torch.where(skip, old, new)``. Compiled, 1-byte tensors (8-bit moments' codes) are
     selected as FP32 values and cast back, the same bits (every int8 and uint8 value is an FP32
@@ -250,19 +254,8 @@ def compiled_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
     chunking. The compiled update returns its chunk and the copy into the outputs is eager:
     copied inside the graph into slices of the outputs, inductor (torch 2.13, CPU) left some of
     them unwritten (``tests/test_update.py`` holds the results to the eager ones)."""
-    return _by_chunks(_compiled_update(), tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype,
+    return _by_chunks(_COMPILED_UPDATE, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype,
                       chunk=chunk, donate=donate, out=out)
-
-
-def _compiled_update():
-    """``_update`` under ``torch.compile``, made on first use (compiling is lazy either way)."""
-    global _COMPILED_UPDATE
-    if _COMPILED_UPDATE is None:
-        _COMPILED_UPDATE = torch.compile(_update, fullgraph=True, dynamic=False)
-    return _COMPILED_UPDATE
-
-
-_COMPILED_UPDATE = None
 
 
 def _by_chunks(update, tx, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
