@@ -95,17 +95,17 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
 
     * FP32 when ``bounded``: every element is a sum of at most 2^30 FP16 values, ranks times
       micro-batches (|g| <= 7e13: squared and summed over a row, far below 3.4e38);
-    * FP32, the row first multiplied by the power of two ``2^-e`` that brings its largest
-      magnitude into [0.5, 1) (exact), for BF16 grads ``compiled``: no square can overflow
-      (BF16 reaches 3.4e38, whose square FP32 cannot hold), and nothing is lost that the row's
-      norm would show. Inductor's float64 reduction of BF16 on CPU takes 2-4x as long; eager,
-      the same in small ops would be slower than float64;
-    * float64 otherwise: it never overflows for finite FP32 (or BF16) inputs.
+    * FP32, the row first multiplied by the power of two that brings its largest magnitude
+      into [0.5, 4) (exact), for BF16 and FP32 grads ``compiled``: no square can overflow
+      (they reach 3.4e38, whose square FP32 cannot hold), and nothing is lost that the row's
+      norm would show. Inductor's float64 reduction on CPU takes 2-4x as long; eager, the
+      same in small ops would be slower than float64;
+    * float64 otherwise (eager BF16 or FP32): it never overflows for finite inputs.
 
     Each is exact to ~1e-7 relative (a running sum of 256 terms; one over 2^18 terms would lose
     1e-4)."""
     # Each piece's full rows, then every tail that fills no row, zero-padded.
-    scaled = compiled and not bounded and g.parts[0].dtype == torch.bfloat16
+    scaled = compiled and not bounded
     dtype = torch.float32 if bounded or scaled else torch.float64
     rows, tails = [], []
     for p in g.parts if compiled else g.pieces(NORM_BLOCK):
@@ -125,15 +125,17 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
 
 def _scaled_row_norms(rows: torch.Tensor) -> torch.Tensor:
     """``[R, NORM_ROW]`` -> ``[R]`` float64 row norms, each taken in FP32 of the row multiplied
-    by a power of two (exact) that brings its largest magnitude below 1: no square overflows.
+    by a power of two (exact) that brings its largest magnitude below 4: no square overflows.
     An inf or NaN stays non-finite."""
     x = rows.float()
     amax = x.abs().amax(dim=1, keepdim=True)
-    # 2^-e stays a normal FP32 number for e in [-126, 128] (amax below 2^-126: scaled up by
-    # 2^126 only, which is plenty: nothing that small can overflow). One factor per row,
-    # multiplied in: ``ldexp`` on the whole rows would raise 2 to a power per element.
-    e = torch.frexp(amax).exponent.clamp(-126, 128)
-    scale = torch.ldexp(torch.ones_like(amax), -e)
+    # The factor 2^(126 - E) from amax's biased exponent E, built from its bits: amax in
+    # [2^(E-127), 2^(E-126)) becomes [0.5, 1). Its biased exponent 253 - E is kept in [1, 253],
+    # a normal number: 2^126 for a zero or subnormal amax (nothing that small can overflow),
+    # 2^-126 for the top octave (then [2, 4)) and for inf/NaN (which stay non-finite). Integer
+    # ops, which inductor vectorizes; frexp/ldexp are libm calls per element there.
+    biased = torch.bitwise_right_shift(amax.view(torch.int32), 23) & 0xFF
+    scale = torch.bitwise_left_shift((253 - biased).clamp(1, 253), 23).view(torch.float32)
     norms = torch.linalg.vector_norm(x * scale, dim=1, keepdim=True)
     return (norms.double() / scale.double()).squeeze(1)
 

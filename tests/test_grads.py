@@ -64,13 +64,15 @@ def test_sum_of_squares_of_the_largest_fp16_sums_is_finite_and_exact_enough(boun
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_sum_of_squares_of_bf16_grads_spans_their_whole_range(compiled):
-    # BF16 reaches 3.4e38, whose square FP32 cannot hold, and goes down to 9e-41: each row is
-    # scaled by a power of two before its FP32 sum, so neither end is lost
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sum_of_squares_of_bf16_and_fp32_grads_spans_their_whole_range(compiled, dtype):
+    # BF16 and FP32 reach 3.4e38, whose square FP32 cannot hold, and go down to 1e-40: each
+    # row is scaled by a power of two before its FP32 sum (compiled), so neither end is lost;
+    # 3.38e38 is in the top octave, 1e-40 subnormal
     f = (lambda g: sum_of_squares(fzero.grads.Segments.of(g, False), bounded=False, compiled=compiled))
     f = torch.compile(f) if compiled else f
-    for vals in ([3.38e38, -3.38e38, 1.0], [1e-40, -2e-40], [1e-30, 5.0, -3.0], [0.0]):
-        g = torch.tensor(vals * 300 + [7.0] * 5).to(torch.bfloat16)  # full rows and a tail
+    for vals in ([3.38e38, -3.38e38, 1.0], [1e-40, -2e-40], [1e-30, 5.0, -3.0], [0.0], [1.5e38, 2.0]):
+        g = torch.tensor(vals * 300 + [7.0] * 5).to(dtype)  # full rows and a tail
         got, want = f(g), g.double().square().sum()
         assert got.dtype == torch.float64 and math.isfinite(got)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
