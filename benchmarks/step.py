@@ -14,7 +14,8 @@ FP32 master and moments and FP16 params and write each once: the floor of a pure
 allocator hands out fresh pages); fzero eager and fzero compiled (``torch.compile(engine.step,
 fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
 compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
-params, dynamic loss scale. Prints a markdown table with x floor and ratios, then the ratio of
+params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
+rows). Prints a markdown table with x floor and ratios, then the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
 paired rounds.
 """
@@ -42,6 +43,8 @@ def main(argv=None):
                     "elements in 12 leaves)")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16",
+                    help="params and grads of the fzero rows: FP16 with a dynamic loss scale, or BF16 without")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=9, help="paired rounds of fzero (flat) vs torch fused")
@@ -99,7 +102,8 @@ def main(argv=None):
 
     # fzero, world size 1
     params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}
-    grads = {k: g for k, g in zip(params32, g16)}
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    grads = {k: g.to(dtype) for k, g in zip(params32, g16)}
     for label, key, compiled, flat_grads, donate in (
             ("fzero eager", "eager", False, False, True),
             ("fzero compiled", "compiled", True, False, True),
@@ -108,7 +112,7 @@ def main(argv=None):
             ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)):
         if compiled and not args.compile:
             continue
-        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=torch.float16, donate=donate)
+        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate)
         carry = list(engine.init(params32))  # params, state, scaler_state
         step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
         # d(loss)/d(flat buffer) arrives already laid out (engine.flat_params): no per-leaf copy
@@ -139,7 +143,8 @@ def main(argv=None):
         [name, f"{t * 1e3:.2f}", f"{t / floor:.2f}", f"{t / fused_ms:.2f}" if fused_ms else "-", f"{classic_ms / t:.2f}"]
         for name, t in ms.items()
     ]
-    print(f"\n{N:.3g} elements in {len(sizes)} tensors on {hardware(dev)}; copy bandwidth {bw / 1e9:.1f} GB/s; "
+    print(f"\n{N:.3g} elements in {len(sizes)} tensors, fzero params and grads {args.dtype.upper()}, on {hardware(dev)}; "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s; "
           f"median of {args.iters}\n")
     print(table(rows, ["step", "ms", "x floor", "x torch fused", "classic / this"]))
     names = {"fused": "torch fused AdamW", "fresh": "fresh outputs", "compiled": "fzero compiled (grads pytree, donate)",
@@ -150,7 +155,7 @@ def main(argv=None):
                 ["step", "against", "ratio"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"numel": N, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},
+            json.dump({"numel": N, "dtype": args.dtype, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},
                        "paired_over_fused": paired}, f, indent=1)
     return ms
 
