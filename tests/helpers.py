@@ -104,9 +104,14 @@ def train_with_master(master, param_dtype, *, steps, bad_step, compiled=False, d
 
 
 def torch_adamw(params, grads_list, **kw):
+    return torch_optimizer(torch.optim.AdamW, params, grads_list, **kw)
+
+
+def torch_optimizer(optimizer, params, grads_list, **kw):
+    """``params`` (a pytree) after one ``optimizer(**kw)`` step per grads pytree of ``grads_list``."""
     leaves, spec = optree.tree_flatten(params)
     ps = [torch.nn.Parameter(p.clone()) for p in leaves]
-    opt = torch.optim.AdamW(ps, **kw)
+    opt = optimizer(ps, **kw)
     for grads in grads_list:
         for p, g in zip(ps, spec.flatten_up_to(grads)):
             p.grad = g.clone()

@@ -7,6 +7,7 @@ applies them to a flat shard of a pytree (fzero's engine: one rank's FP32 shard)
 leaves (see ``transforms.base``). ``scalar`` and ``hyperparam`` are the helpers for the 0-d
 tensors of states and steps (see ``transforms.scalars``). ``transforms.quantize`` is the 8-bit
 block-wise storage of ``adamw(mu_dtype=torch.int8, nu_dtype=torch.int8)``'s moments.
+``partition`` gives each group of leaves its own transform (``muon`` for hidden matrices, say).
 """
 from .adam import ScaleByAdamState, adamw, scale_by_adam
 from .base import (
@@ -24,6 +25,8 @@ from .base import (
     set_hyperparams,
 )
 from .clip import clip_by_global_norm, global_norm
+from .muon import ScaleByMuonState, muon, newton_schulz, scale_by_muon
+from .partition import PartitionState, partition
 from .scalars import host_value, hyperparam, scalar, with_host_value
 from .scale import add_decayed_weights, scale_by_learning_rate
 from .schedules import constant, cosine_decay, linear, linear_warmup, warmup_cosine_decay
@@ -33,7 +36,9 @@ __all__ = [
     "FusedStep",
     "GradientTransformation",
     "MaskedState",
+    "PartitionState",
     "ScaleByAdamState",
+    "ScaleByMuonState",
     "ShardContext",
     "adamw",
     "add_decayed_weights",
@@ -50,12 +55,16 @@ __all__ = [
     "linear",
     "linear_warmup",
     "masked",
+    "muon",
+    "newton_schulz",
+    "partition",
     "resolve_per_leaf",
     "scalar",
     "host_value",
     "with_host_value",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_muon",
     "set_hyperparams",
     "sgd",
     "trace",

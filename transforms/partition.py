@@ -1,0 +1,95 @@
+"""``partition``: a different transform for each group of leaves (optax's ``partition``, the
+successor of ``multi_transform``), e.g. Muon for hidden matrices and AdamW for the rest.
+
+Each leaf has a label; ``transforms_by_label[label]`` updates the leaves with that label, and
+keeps state for those leaves only: it sees the params pytree with every other leaf replaced by
+``None`` (an empty node to optree, so its ``tree_map`` skips it), the same structure otherwise,
+so a mask callable of an inner transform (``weight_decay_mask``) still sees the leaves' places.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple
+
+import optree
+
+from .base import GradientTransformation, ShardContext
+
+__all__ = ["PartitionState", "partition"]
+
+
+class PartitionState(NamedTuple):
+    """``inner_states``: ``{label: state}``, each the state of ``transforms_by_label[label]``
+    over the leaves with that label (a transform no leaf uses keeps the state of no leaves)."""
+
+    inner_states: dict
+
+
+def partition(transforms_by_label: Mapping[str, GradientTransformation], labels: Any | Callable[[Any], Any]
+              ) -> GradientTransformation:
+    """Update the leaves labelled ``k`` with ``transforms_by_label[k]``.
+
+    ``labels``: a pytree with the params' structure whose leaves are strings (keys of
+    ``transforms_by_label``), or a callable ``params -> such a pytree``; resolved from the
+    params at ``init`` and from the updates at ``update`` (they share the structure), e.g.
+    ``lambda p: optree.tree_map(lambda x: "muon" if x.ndim == 2 else "adamw", p)``. A label
+    that is not a key, a labels pytree of another structure, or a key that is not a string
+    raises ``ValueError`` naming the leaf. ``hyperparams`` are each member's, named
+    ``"{label}/{name}"`` (``"muon/lr"``).
+
+    Not yet under fzero's engine, which runs transforms on each rank's flat shard: ``init``
+    with a ``ShardContext`` raises ``NotImplementedError``."""
+    transforms_by_label = dict(transforms_by_label)
+    for key, tx in transforms_by_label.items():
+        if not isinstance(key, str):
+            raise ValueError(f"partition: labels must be strings, got key {key!r} ({type(key).__name__})")
+        if not isinstance(tx, GradientTransformation):
+            raise ValueError(f"partition: transforms_by_label[{key!r}] must be a GradientTransformation, got "
+                             f"{type(tx).__name__}")
+
+    def leaf_labels(tree) -> tuple[list, Any]:
+        """``tree``'s leaves' labels in leaf order, checked, and its treespec."""
+        paths, _, spec = optree.tree_flatten_with_path(tree)
+        given = labels(tree) if callable(labels) else labels
+        try:
+            out = spec.flatten_up_to(given)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"partition: the labels must have the params' structure ({spec}): {e}") from None
+        for path, label in zip(paths, out):
+            if not isinstance(label, str) or label not in transforms_by_label:
+                name = "/".join(str(k) for k in path) or "<root>"
+                raise ValueError(f"partition: leaf {name!r} has label {label!r}, which is not one of "
+                                 f"{sorted(transforms_by_label)}")
+        return out, spec
+
+    def only(tree, spec, tags, label):
+        """``tree`` with the leaves not labelled ``label`` replaced by ``None``."""
+        leaves = spec.flatten_up_to(tree)
+        return spec.unflatten([x if t == label else None for x, t in zip(leaves, tags)])
+
+    def init(params, *, context: ShardContext | None = None):
+        if context is not None:
+            raise NotImplementedError(
+                "transforms.partition under fzero's engine (the transform on each rank's flat shard) is not "
+                "supported yet: use transforms.masked, or give each group its own engine")
+        tags, spec = leaf_labels(params)
+        return PartitionState({k: tx.init(only(params, spec, tags, k)) for k, tx in transforms_by_label.items()})
+
+    def update(updates, state, params=None, **extra):
+        tags, spec = leaf_labels(updates)
+        out = spec.flatten_up_to(updates)
+        inner = {}
+        for k, tx in transforms_by_label.items():
+            sub_params = None if params is None else only(params, spec, tags, k)
+            new, inner[k] = tx.update(only(updates, spec, tags, k), state.inner_states[k], sub_params, **extra)
+            mine = iter(optree.tree_leaves(new))
+            out = [next(mine) if t == k else u for u, t in zip(out, tags)]
+        return spec.unflatten(out), PartitionState(inner)
+
+    def hyperparams(state):
+        return {f"{k}/{name}": v for k, tx in transforms_by_label.items() if tx.hyperparams
+                for name, v in tx.hyperparams(state.inner_states[k]).items()}
+
+    hyper = hyperparams if any(tx.hyperparams for tx in transforms_by_label.values()) else None
+    block = math.lcm(*(tx.block for tx in transforms_by_label.values())) if transforms_by_label else 1
+    return GradientTransformation(init, update, None, hyper, block)
