@@ -24,8 +24,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test,examples]"
 	touch $@
 
+# One thread per pytest worker (the ranks and scripts the tests start set the same): two workers
+# with a thread per core each would oversubscribe the cores.
 test: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
 
 test-fast: setup
 	$(PY) -m pytest -q -m "unit and not slow"
