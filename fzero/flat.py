@@ -24,6 +24,8 @@ from typing import Any
 import optree
 import torch
 
+from fzero.transforms.base import leaf_paths
+
 from .mode import compiling
 
 __all__ = [
@@ -42,19 +44,6 @@ __all__ = [
 ]
 
 DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
-
-
-def _entry_name(entry: Any) -> str:
-    field = getattr(entry, "field", None)  # a NamedTuple field or an attribute: by name
-    return str(entry.entry if field is None else field)
-
-
-def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """``(paths, leaves, treespec)`` with paths like ``"blocks/0/attn/qkv_w"``: dict keys,
-    sequence indices and NamedTuple field names (``"tx_state/0/mu"``) joined by ``/``; the one
-    way fzero names a leaf, in errors and in checkpoints."""
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
-    return ["/".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors], leaves, spec
 
 
 def concat(parts: list[torch.Tensor]) -> torch.Tensor:

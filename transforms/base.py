@@ -44,6 +44,7 @@ __all__ = [
     "named_tuples",
     "HYPERPARAM_RULES",
     "apply_updates",
+    "leaf_paths",
 ]
 
 
@@ -325,3 +326,16 @@ def set_hyperparams(state, **values):
         return node
 
     return rebuild(state)
+
+
+def _entry_name(entry: Any) -> str:
+    field = getattr(entry, "field", None)  # a NamedTuple field or an attribute: by name
+    return str(entry.entry if field is None else field)
+
+
+def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """``(paths, leaves, treespec)`` with paths like ``"blocks/0/attn/qkv_w"``: dict keys,
+    sequence indices and NamedTuple field names (``"tx_state/0/mu"``) joined by ``/``; the one
+    way fzero names a leaf, in errors and in checkpoints (``fzero.flat.leaf_paths``)."""
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
+    return ["/".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors], leaves, spec

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import HYPERPARAM_RULES, GradientTransformation, ShardContext, chain
+from .base import HYPERPARAM_RULES, GradientTransformation, ShardContext, chain, leaf_paths
 from .scalars import hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 from .validate import check_count, check_number
@@ -79,10 +79,9 @@ def adjusted_ratio(shape, adjust_lr_fn: str | None) -> float:
 
 
 def _check_matrices(params, where: str) -> None:
-    paths, leaves, _ = optree.tree_flatten_with_path(params)
-    for path, leaf in zip(paths, leaves):
+    paths, leaves, _ = leaf_paths(params)
+    for name, leaf in zip(paths, leaves):
         if leaf.ndim != 2:
-            name = "/".join(str(k) for k in path) or "<root>"
             raise ValueError(f"{where}: Muon orthogonalizes 2-D matrices; leaf {name!r} has shape {tuple(leaf.shape)} "
                              f"(train it with another transform: transforms.partition)")
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import optree
 
-from .base import GradientTransformation, ShardContext
+from .base import GradientTransformation, ShardContext, leaf_paths
 
 __all__ = ["PartitionState", "partition"]
 
@@ -49,15 +49,14 @@ def partition(transforms_by_label: Mapping[str, GradientTransformation], labels:
 
     def leaf_labels(tree) -> tuple[list, Any]:
         """``tree``'s leaves' labels in leaf order, checked, and its treespec."""
-        paths, _, spec = optree.tree_flatten_with_path(tree)
+        paths, _, spec = leaf_paths(tree)
         given = labels(tree) if callable(labels) else labels
         try:
             out = spec.flatten_up_to(given)
         except (ValueError, TypeError) as e:
             raise ValueError(f"partition: the labels must have the params' structure ({spec}): {e}") from None
-        for path, label in zip(paths, out):
+        for name, label in zip(paths, out):
             if not isinstance(label, str) or label not in transforms_by_label:
-                name = "/".join(str(k) for k in path) or "<root>"
                 raise ValueError(f"partition: leaf {name!r} has label {label!r}, which is not one of "
                                  f"{sorted(transforms_by_label)}")
         return out, spec
