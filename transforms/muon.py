@@ -14,7 +14,7 @@ Per 2-D leaf ``W`` (``[A, B]``) with grad ``g`` and momentum buffer ``b`` (zero 
 ``NS_k``: ``X = m / max(||m||_F, eps)`` in BF16 (transposed if ``A > B``, so ``X X^T`` is the
 smaller Gram matrix), then ``k`` times ``X <- a X + (b G + c G G) X`` with ``G = X X^T`` and
 ``(a, b, c) = (3.4445, -4.7750, 2.0315)``: Keller Jordan's quintic, which pushes every singular
-value of ``X`` towards 1 (into about [0.7, 1.2] after 5 steps), so ``O ~ U V^T`` of ``m = U S V^T``.
+value of ``X`` not far below the largest towards 1 (into about [0.7, 1.2] after 5 steps), so ``O ~ U V^T`` of ``m = U S V^T``.
 The same ops in the same order and dtype as ``torch.optim._muon._zeropower_via_newtonschulz``.
 
 ``r(A, B)``: ``None``/``"original"`` ``sqrt(max(1, A / B))`` (Keller Jordan's), ``"match_rms_adamw"``
@@ -22,7 +22,7 @@ The same ops in the same order and dtype as ``torch.optim._muon._zeropower_via_n
 decay carry over).
 
 Muon is for hidden matrices: embeddings, the output head and 1-D params train with AdamW, which
-``transforms.partition`` composes (see ``examples/train.py --optimizer muon``).
+``transforms.partition`` composes (see docs/muon.md).
 """
 from __future__ import annotations
 

@@ -49,38 +49,41 @@ def partition(transforms_by_label: Mapping[str, GradientTransformation], labels:
 
     def leaf_labels(tree) -> tuple[list, Any]:
         """``tree``'s leaves' labels in leaf order, checked, and its treespec."""
-        paths, _, spec = leaf_paths(tree)
+        spec = optree.tree_structure(tree)
         given = labels(tree) if callable(labels) else labels
         try:
             out = spec.flatten_up_to(given)
         except (ValueError, TypeError) as e:
             raise ValueError(f"partition: the labels must have the params' structure ({spec}): {e}") from None
-        for name, label in zip(paths, out):
+        for name, label in zip(leaf_paths(tree)[0], out):
             if not isinstance(label, str) or label not in transforms_by_label:
                 raise ValueError(f"partition: leaf {name!r} has label {label!r}, which is not one of "
                                  f"{sorted(transforms_by_label)}")
         return out, spec
 
-    def only(tree, spec, tags, label):
-        """``tree`` with the leaves not labelled ``label`` replaced by ``None``."""
-        leaves = spec.flatten_up_to(tree)
+    def only(leaves, spec, tags, label):
+        """The tree of ``leaves`` with those not labelled ``label`` replaced by ``None``."""
         return spec.unflatten([x if t == label else None for x, t in zip(leaves, tags)])
 
     def init(params, *, context: ShardContext | None = None):
         if context is not None:
             raise NotImplementedError(
                 "transforms.partition under fzero's engine (the transform on each rank's flat shard) is not "
-                "supported yet: use transforms.masked, or give each group its own engine")
+                "supported yet (docs/muon.md): under the engine, use one transform, with transforms.masked for "
+                "per-leaf differences")
         tags, spec = leaf_labels(params)
-        return PartitionState({k: tx.init(only(params, spec, tags, k)) for k, tx in transforms_by_label.items()})
+        leaves = spec.flatten_up_to(params)
+        return PartitionState({k: tx.init(only(leaves, spec, tags, k)) for k, tx in transforms_by_label.items()})
 
     def update(updates, state, params=None, **extra):
         tags, spec = leaf_labels(updates)
         out = spec.flatten_up_to(updates)
+        param_leaves = None if params is None else spec.flatten_up_to(params)
         inner = {}
         for k, tx in transforms_by_label.items():
-            sub_params = None if params is None else only(params, spec, tags, k)
-            new, inner[k] = tx.update(only(updates, spec, tags, k), state.inner_states[k], sub_params, **extra)
+            sub_params = None if params is None else only(param_leaves, spec, tags, k)
+            # out's leaves labelled k are still the given updates: only other labels' were replaced
+            new, inner[k] = tx.update(only(out, spec, tags, k), state.inner_states[k], sub_params, **extra)
             mine = iter(optree.tree_leaves(new))
             out = [next(mine) if t == k else u for u, t in zip(out, tags)]
         return spec.unflatten(out), PartitionState(inner)
