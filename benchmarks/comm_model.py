@@ -19,13 +19,18 @@ fzero's default; 2 with ``--reduce-dtype fp16``), params in FP16:
                   all-reduce of the r*P/S shard across nodes (R = nodes ranks)
 
 Memory per rank (params 2P + grads 2P + FP32 master and Adam moments 12P/shards): DDP 16P,
-ZeRO-1 4P + 12P/N, hybrid 4P + 12P/S. ``--measure`` also runs fzero as rank 0 of the simulated
+ZeRO-1 4P + 12P/N, hybrid 4P + 12P/S. ``--muon F``: the ZeRO-1 schemes again with
+``partition(muon, adamw)`` on a fraction F of the params in Muon's matrices: each step adds two
+all-to-alls in the shard group (``fzero.shard_view``), each rank sending its shard's share of the
+matrices, F P / N elements, out in BF16 and back in FP32 (6 B per element), and Muon keeps 4 B of
+state per matrix element where AdamW keeps 8: 4P + (12 - 4F) P/N. ``--measure`` also runs fzero as rank 0 of the simulated
 mesh (``zero1(simulate=(0, S, R))``: the real buffers, no process group) and reports the bytes it
 holds after one step, as ``benchmarks/memory.py`` does for N.
 
     python benchmarks/comm_model.py                                   # 124M and 1B, 8 nodes x 8 GPUs
     python benchmarks/comm_model.py --sizes 1e9 --nodes 8 --gpus-per-node 8 --measure
     python benchmarks/comm_model.py --nodes 2 --gpus-per-node 2 --inter-Gbps 100
+    python benchmarks/comm_model.py --muon 0.68                        # + Muon on GPT-2 small's share of matrices
 """
 from __future__ import annotations
 
@@ -67,9 +72,17 @@ def ring_seconds(kind: str, full_bytes: float, n: int, bandwidth: float) -> floa
     return hops * (n - 1) / n * full_bytes / bandwidth
 
 
-def schemes(P: float, nodes: int, gpus: int, *, reduce_bytes: int, intra: float, inter: float) -> list[dict]:
+def all_to_all_seconds(sent_bytes: float, n: int, bandwidth: float) -> float:
+    """An all-to-all in which each rank sends ``sent_bytes`` in all, an equal share to every rank
+    (itself included): ``(n-1)/n`` of it crosses the links."""
+    return (n - 1) / n * sent_bytes / bandwidth
+
+
+def schemes(P: float, nodes: int, gpus: int, *, reduce_bytes: int, intra: float, inter: float,
+            muon: float = 0.0) -> list[dict]:
     """Per-step communication seconds and per-rank bytes of the three schemes (see the module
-    docstring), each with the formula it used."""
+    docstring), each with the formula it used; with ``muon`` (the fraction of P in Muon's
+    matrices, > 0) the two ZeRO-1 schemes again with ``partition(muon, adamw)``."""
     N = nodes * gpus
     across = inter if nodes > 1 else intra  # a group that spans nodes runs at the NIC's pace
     r = reduce_bytes
@@ -78,7 +91,7 @@ def schemes(P: float, nodes: int, gpus: int, *, reduce_bytes: int, intra: float,
     S, R = gpus, nodes
     hybrid_intra = ring_seconds("reduce_scatter", r * P, S, intra) + ring_seconds("all_gather", 2 * P, S, intra)
     hybrid_inter = ring_seconds("all_reduce", r * P / S, R, inter)
-    return [
+    out = [
         {"scheme": "DDP", "mesh": f"{N}", "seconds": ddp, "bytes": 16 * P,
          "formula": f"2(N-1)/N * {r}P / bw_inter"},
         {"scheme": "flat ZeRO-1", "mesh": f"{N}", "seconds": flat, "bytes": 4 * P + 12 * P / N,
@@ -87,6 +100,21 @@ def schemes(P: float, nodes: int, gpus: int, *, reduce_bytes: int, intra: float,
          "bytes": 4 * P + 12 * P / S, "intra_s": hybrid_intra, "inter_s": hybrid_inter,
          "formula": f"(S-1)/S * ({r}P + 2P) / bw_intra + 2(R-1)/R * {r}P/S / bw_inter"},
     ]
+    if muon > 0:
+        # fzero.shard_view.whole: each rank sends its shard's share of the matrices, f P / N
+        # elements, to the ranks that orthogonalize them (BF16, 2 B) and gets the results back
+        # (FP32, 4 B); Muon keeps one FP32 buffer per matrix element where AdamW keeps two.
+        f = muon
+        out += [
+            {"scheme": "flat ZeRO-1 + Muon", "mesh": f"{N}", "seconds": flat + all_to_all_seconds(6 * f * P / N, N, across),
+             "bytes": 4 * P + (12 - 4 * f) * P / N,
+             "formula": f"flat ZeRO-1 + (N-1)/N * 6 * {f:g}P/N / bw_inter"},
+            {"scheme": "hybrid ZeRO-1 + Muon", "mesh": f"{R}x{S}",
+             "seconds": hybrid_intra + hybrid_inter + all_to_all_seconds(6 * f * P / S, S, intra),
+             "bytes": 4 * P + (12 - 4 * f) * P / S,
+             "formula": f"hybrid ZeRO-1 + (S-1)/S * 6 * {f:g}P/S / bw_intra"},
+        ]
+    return out
 
 
 def measure_held(P: int, shards: int, replicas: int) -> int:
@@ -106,6 +134,9 @@ def main(argv=None):
     ap.add_argument("--intra-GBps", type=float, default=900.0, help="per-GPU bandwidth inside a node, GB/s (NVLink)")
     ap.add_argument("--inter-Gbps", type=float, default=400.0, help="per-GPU bandwidth across nodes, Gbit/s (IB)")
     ap.add_argument("--reduce-dtype", choices=["fp32", "fp16"], default="fp32")
+    ap.add_argument("--muon", type=float, default=0.0, metavar="F",
+                    help="also the ZeRO-1 schemes with Muon on the fraction F of the params (its matrices; the "
+                         "small GPT: 0.985, GPT-2 small: 0.68)")
     ap.add_argument("--measure", action="store_true", help="also measure the bytes held on a simulated mesh")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -113,9 +144,9 @@ def main(argv=None):
     r = 4 if args.reduce_dtype == "fp32" else 2
     rows, results = [], []
     for P in args.sizes:
-        for s in schemes(P, args.nodes, args.gpus_per_node, reduce_bytes=r, intra=intra, inter=inter):
+        for s in schemes(P, args.nodes, args.gpus_per_node, reduce_bytes=r, intra=intra, inter=inter, muon=args.muon):
             held = None
-            if args.measure and s["scheme"] != "DDP":
+            if args.measure and s["scheme"] in ("flat ZeRO-1", "hybrid ZeRO-1"):
                 shards = args.nodes * args.gpus_per_node if s["scheme"] == "flat ZeRO-1" else args.gpus_per_node
                 held = measure_held(int(P), shards, args.nodes if s["scheme"] == "hybrid ZeRO-1" else 1)
             rows.append([f"{P:.3g}", s["scheme"], s["mesh"], f"{s['seconds'] * 1e3:.2f}", f"{s['bytes'] / GB:.2f}",

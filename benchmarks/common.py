@@ -1,8 +1,13 @@
 """Timing helpers shared by the benchmarks: medians of repeated runs, CUDA events on GPU."""
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -86,3 +91,17 @@ def classic_step(p16: list, g16: list, *, fused: bool):
         torch._foreach_copy_(p16, master)
 
     return step
+
+
+def rows_of_ranks(script: str, argv: list[str], world: int, env: dict | None = None) -> list:
+    """Run ``script argv --child-out FILE`` in processes of its own, under torchrun for 2+ ranks
+    (one process for 1), one OMP thread per core and rank unless ``OMP_NUM_THREADS`` is set,
+    with ``env`` added; what rank 0 wrote to FILE (JSON) comes back."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        launch = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+        cmd = [sys.executable, *launch, os.path.abspath(script), *argv, "--child-out", out]
+        threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": threads, **(env or {})})
+        with open(out) as f:
+            return json.load(f)

@@ -37,9 +37,7 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 
 import optree
 import torch
@@ -52,7 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # the main job's modules: recipe.py
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import hardware, sample_times, table  # noqa: E402
+from common import hardware, rows_of_ranks, sample_times, table  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from recipe import make_train_step, overlapped_train_step  # noqa: E402
 
@@ -237,17 +235,10 @@ def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
 def run_child(args, world: int, malloc: str) -> list[dict]:
     """The rows at ``world`` ranks under ``malloc`` (``MALLOCS``): this script again, in a process
     of its own (under torchrun for 2+ ranks); rank 0's rows come back."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        launch = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-        cmd = [sys.executable, *launch, os.path.abspath(__file__), *sys.argv[1:], "--malloc", malloc,
-               "--child-out", out]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, os.cpu_count() // world)))}
-        if MALLOCS[malloc]:
-            env["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), MALLOCS[malloc]]))
-        subprocess.run(cmd, check=True, env=env)
-        with open(out) as f:
-            return json.load(f)
+    env = {}
+    if MALLOCS[malloc]:
+        env["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), MALLOCS[malloc]]))
+    return rows_of_ranks(__file__, [*sys.argv[1:], "--malloc", malloc], world, env)
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@
 # grads pytree, each with donate=True and pure, against fused AdamW and fresh outputs; flat), the
 # eager step's bytes per element, the BF16 step with an FP32 against a remainder master, the
 # step with BF16 and 8-bit moments against FP32 ones (eager and compiled), the memory table (with CPU offload's device bytes and step time), and the main job's step against
-# the torch recipe at GPT-2-small shape (e2e.py).
+# the torch recipe at GPT-2-small shape (e2e.py), and Muon + AdamW against AdamW at 1e9 elements (muon.py).
 # Results land in $OUT (default benchmarks/results/gpu).
 #   bash benchmarks/gpu_suite.sh            # full sizes, on the GPU machine
 #   QUICK=1 bash benchmarks/gpu_suite.sh    # tiny sizes: rehearse the script on a CPU
@@ -42,4 +42,5 @@ run benchmarks/master.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || e
 LIMIT=240 run benchmarks/moments.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda --iters 5 --rounds 3) --json "$OUT/moments.json"
 run benchmarks/memory.py $MEM --json "$OUT/memory.json"
 LIMIT=300 run benchmarks/e2e.py $E2E --json "$OUT/e2e.json"
+LIMIT=240 run benchmarks/muon.py $([ -n "${QUICK:-}" ] && echo --device cpu --config nano --ranks 1 --rounds 2 || echo --device cuda --ranks 1 --blocks 40 --width 1024 --rounds 3) --json "$OUT/muon.json"
 echo "results in $OUT"

@@ -17,6 +17,11 @@ job's learning rate (``--lrs 3e-3 1e-2``: also a harder one); goals: the mean fi
 within 1% of FP32 moments, every loss finite, no extra skipped steps.
 
     python benchmarks/numerics.py --moments --lrs 3e-3 1e-2   # 30 runs, about 20 minutes
+
+``--optimizers``: AdamW against Muon + AdamW (``train.py --optimizer muon``: Muon on the blocks'
+matrices) at equal steps, FP16 params, 1 rank, seeds 1-3, reported as measured.
+
+    python benchmarks/numerics.py --optimizers                 # 6 runs
 """
 from __future__ import annotations
 
@@ -35,12 +40,12 @@ ROWS = [("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "fp32"), ("bf16", "remainde
 
 
 def run(dtype: str, master: str, ranks: int, steps: int, out: str, *, moments: str = "fp32", seed: int = 0,
-        lr: float | None = None) -> dict:
+        lr: float | None = None, optimizer: str = "adamw") -> dict:
     """One main-job run; ``{"losses": [...], "summary": {...}}`` from its metrics.jsonl."""
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={ranks}"]
     cmd = [*launcher, TRAIN, "--device", "cpu", "--no-compile", "--dtype", dtype, "--keep-master", master,
-           "--moments", moments, "--seed", str(seed), "--steps", str(steps), "--out", out,
+           "--moments", moments, "--optimizer", optimizer, "--seed", str(seed), "--steps", str(steps), "--out", out,
            *([] if lr is None else ["--lr", str(lr)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
@@ -90,6 +95,36 @@ def moments_table(args, table) -> list:
     return report(title, table(rows, header), goals, args, summaries)
 
 
+def optimizers_table(args, table) -> list:
+    """AdamW against Muon + AdamW (``train.py --optimizer``) on the main job: FP16 params with
+    the dynamic loss scale, 1 rank, the same steps, ``--seeds``; reported as measured, with no
+    goal on which wins, and the one goal that Muon trains: every loss finite, no extra skips."""
+    jobs, t0 = {}, time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for optimizer in ("adamw", "muon"):
+            for seed in args.seeds:
+                out = os.path.join(tmp, f"{optimizer}-{seed}")
+                jobs[(optimizer, seed)] = pool.submit(run, "fp16", "fp32", 1, args.steps, out, seed=seed,
+                                                      optimizer=optimizer)
+        results = {key: job.result() for key, job in jobs.items()}
+    stats = {}
+    for optimizer in ("adamw", "muon"):
+        runs = [results[(optimizer, s)] for s in args.seeds]
+        vals = [r["summary"]["final_val_loss"] for r in runs]
+        finite = all(x == x and abs(x) != float("inf") for r in runs for x in r["losses"] if x is not None)
+        stats[optimizer] = (sum(vals) / len(vals), vals, sum(r["summary"]["skipped_steps"] for r in runs), finite)
+    ref = stats["adamw"][0]
+    rows = [[name, f"{mean:.5f}", f"{100 * (mean - ref) / ref:+.2f}%", ", ".join(f"{v:.4f}" for v in vals), skipped,
+             "yes" if finite else "NO"] for name, (mean, vals, skipped, finite) in stats.items()]
+    goals = [("muon: every loss finite, no more skipped steps than adamw",
+              stats["muon"][3] and stats["muon"][2] <= stats["adamw"][2])]
+    title = (f"AdamW against Muon + AdamW on the main job (nano GPT, FP16 params, 1 rank, eager), {args.steps} steps, "
+             f"seeds {args.seeds}; {time.perf_counter() - t0:.0f} s")
+    header = ["optimizer", "final val loss (mean)", "vs adamw", "per seed", "skipped", "losses finite"]
+    summaries = {"/".join(map(str, k)): v["summary"] for k, v in results.items()}
+    return report(title, table(rows, header), goals, args, summaries)
+
+
 def report(title: str, rows_table: str, goals: list, args, results) -> list:
     """Print the table and each goal (met / NOT MET); with ``--json``, write them too."""
     print(f"\n{title}\n")
@@ -109,7 +144,9 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--moments", action="store_true",
                     help="instead: the moment-dtype table (BF16 params; FP32, BF16, int8 moments; FP32 master or remainder)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="--moments: seeds (%(default)s)")
+    ap.add_argument("--optimizers", action="store_true",
+                    help="instead: AdamW against Muon + AdamW (train.py --optimizer), FP16 params, 1 rank, --seeds")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="--moments, --optimizers: seeds (%(default)s)")
     ap.add_argument("--lrs", type=float, nargs="+", default=[3e-3], help="--moments: peak learning rates (%(default)s)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -118,6 +155,8 @@ def main(argv=None):
 
     if args.moments:
         return moments_table(args, table)
+    if args.optimizers:
+        return optimizers_table(args, table)
 
     results, t0 = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

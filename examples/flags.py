@@ -17,6 +17,7 @@ from fzero.models import gpt
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MLP_DIMS = "64,256,256,64"
 MOMENTS = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}  # --moments: scale_by_adam's mu_dtype/nu_dtype
+OPTIMIZERS = ("adamw", "muon")  # --optimizer: examples/recipe.py's make_optimizer
 GPT_CONFIGS = {  # vocab_size becomes the data's (97 characters); params counted at that vocab
     "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),  # 0.11M: minutes on CPU
     "tiny": gpt.GPTConfig.tiny,  # 0.82M
@@ -46,6 +47,10 @@ def make_parser(**kwargs) -> argparse.ArgumentParser:
                         "the BF16 params + an int16 remainder, 2 bytes), or params (--dtype fp32: the params "
                         "themselves, 0 bytes); the same training bit for bit (default: params with --dtype fp32, "
                         "else fp32)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw on every param, or muon: Muon (orthogonalized momentum, its update scaled to AdamW's "
+                        "RMS, so --lr and --weight-decay carry over) on the blocks' weight matrices and AdamW on "
+                        "the embeddings, LayerNorms and biases, the nanoGPT-speedrun split (--model gpt): %(default)s")
     p.add_argument("--moments", choices=list(MOMENTS), default="fp32",
                    help="how AdamW stores its two moments: fp32 (4+4 bytes/param), bf16 (2+2), or int8 (8-bit codes "
                         "with one FP32 scale per 256 elements: ~1+1); the math is FP32 (default: %(default)s)")
@@ -150,6 +155,16 @@ def check_args(args, world: int, given: set[str] | None = None) -> dict | None:
         if replicas * shards != world:
             raise UsageError(f"--mesh {args.mesh} needs {replicas * shards} ranks, this run has {world}")
         args.mesh = (replicas, shards)
+    if args.optimizer == "muon":
+        if args.model != "gpt":
+            raise UsageError("--optimizer muon trains the GPT's blocks' matrices with Muon: it needs --model gpt")
+        if args.save_every or args.resume:
+            which = "--save-every" if args.save_every else "--resume"
+            raise UsageError(f"{which}: checkpoints of Muon's state are not supported yet (drop {which}, or use "
+                             "--optimizer adamw)")
+        if args.moments == "int8":
+            raise UsageError("--moments int8 keeps AdamW's moments in blocks of 256 elements, which the AdamW group "
+                             "of --optimizer muon does not align to: use --moments bf16 or fp32")
     args.keep_master = keep_master(args)
     if args.keep_master == "remainder" and args.dtype != "bf16":
         raise UsageError("--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, "
@@ -182,7 +197,7 @@ def check_batch_size(batch_size: int, world: int) -> None:
 # on or off (the checkpoint holds the FP32 master and loads into either), --moments (it holds
 # the moments as FP32 or BF16 and loads into any) -- and take effect; the
 # run names them. The world size, --mesh, logging, evaluation and checkpointing are free.
-MODEL_FLAGS = ("model", "config", "block_size", "mlp_dims", "dtype")
+MODEL_FLAGS = ("model", "config", "block_size", "mlp_dims", "dtype", "optimizer")
 TRAINING_FLAGS = (*MODEL_FLAGS, "keep_master", "moments", "data", "seed", "batch_size", "steps", "lr", "warmup", "weight_decay",
                   "grad_clip")
 DTYPE_FLAG = {str(dtype).removeprefix("torch."): name for name, dtype in DTYPES.items()}  # a manifest's param_dtype

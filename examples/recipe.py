@@ -67,12 +67,18 @@ def schedule_count(state) -> torch.Tensor:
 def make_optimizer(args) -> transforms.GradientTransformation:
     """Clip by the global grad norm (over all ranks), then AdamW with a warmup-cosine learning
     rate (``lr_schedule``) and decoupled weight decay on the matrices only (``decays``), its
-    moments stored as ``--moments`` says."""
+    moments stored as ``--moments`` says. ``--optimizer muon``: Muon on the blocks' weight
+    matrices instead (``gpt.muon_labels``), with the same schedule and weight decay, its update
+    scaled to AdamW's RMS (``adjust_lr_fn="match_rms_adamw"``, Moonshot's: AdamW's learning rate
+    carries over), and AdamW on the rest."""
     lr = lr_schedule(args)
     clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
     moments = MOMENTS[args.moments]
     adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays,
                              mu_dtype=moments, nu_dtype=moments)
+    if args.optimizer == "muon":
+        muon = transforms.muon(lr=lr, weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw")
+        return transforms.chain(*clip, transforms.partition({"muon": muon, "adamw": adamw}, gpt.muon_labels))
     return transforms.chain(*clip, adamw)
 
 

@@ -183,6 +183,7 @@ def summarize(records, args, world, n_params, state_bytes, tokens_per_step, tota
         "dtype": args.dtype,
         "master": args.keep_master,
         "moments": args.moments,
+        "optimizer": args.optimizer,
         "steps": len(records),
         "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"],
@@ -218,7 +219,7 @@ def print_summary(s, log_path, plot_path, trace_dir):
         ("time", f"{s['total_time_s']:.1f} s, {s['mean_tokens_per_s']:,.0f} {unit}/s"),
         ("params", f"{s['param_count']:,} ({s['dtype']})"),
         ("optimizer state", f"{s['opt_state_bytes_per_rank']:,} bytes per rank, {s['world_size']} rank(s); "
-                            f"master {s['master']}, moments {s['moments']}"),
+                            f"{s['optimizer']}, master {s['master']}, moments {s['moments']}"),
         ("params sha256", f"{s['params_sha256'][0][:16]}... {same}"),
         ("metrics", log_path),
         ("plot", plot_path or "not written (matplotlib is not installed)"),

@@ -109,7 +109,9 @@ def main(argv=None):
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
         kept = KEPT_MASTER[args.keep_master]
-        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + 2 {args.moments} moments + the decay mask, "
+        moments = (f"2 {args.moments} moments" if args.optimizer == "adamw" else
+                   f"Muon's momentum on the blocks' matrices, 2 {args.moments} moments on the rest")
+        print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + {moments} + the decay mask, "
               f"1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")
 

@@ -9,10 +9,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fzero.transforms import ShardContext
-
-from .flat import Layout, leaf_paths, per_leaf_shard
+from .flat import Layout, leaf_paths
 from .grads import GradPath
+from .shard_view import ShardView
 
 __all__ = ["ZeroState", "Binding", "fresh_state", "to_state_device", "config_table"]
 
@@ -42,13 +41,12 @@ class Binding:
         return cls(grads, state_device, tuple((p, x.shape, x.dtype) for p, x in zip(paths, leaves)), spec)
 
 
-def fresh_state(tx, params: Any, layout: Layout, rank: int, master: torch.Tensor) -> ZeroState:
-    """The transform initialized on the FP32 ``master`` shard of ``rank``; per-leaf settings
-    (masks) refer to the ``params`` pytree and become bool shards like the master."""
-    def to_shard(per_leaf):
-        return per_leaf_shard(per_leaf, layout, rank, dtype=torch.bool, device=master.device)
-
-    return ZeroState(master, tx.init(master, context=ShardContext(params, to_shard)))
+def fresh_state(tx, context: ShardView, master: torch.Tensor) -> ZeroState:
+    """The transform initialized on the FP32 ``master`` shard that ``context`` (the root
+    ``ShardView`` of the rank's shard) describes: per-leaf settings (masks) refer to the params
+    pytree and become bool shards like the master; a transform that groups leaves or needs them
+    whole asks the context (``fzero.shard_view``)."""
+    return ZeroState(master, tx.init(master, context=context))
 
 
 def to_state_device(t: torch.Tensor, state_device: torch.device) -> torch.Tensor:
@@ -62,11 +60,13 @@ def to_state_device(t: torch.Tensor, state_device: torch.device) -> torch.Tensor
 def config_table(settings: dict[str, str], layout: Layout, tx_state: Any) -> dict[str, str]:
     """The settings every rank must share besides the layout, as printable entries: the engine's
     ``settings`` (dtypes, loss scaling, stage, offload, master storage) and the transform's state
-    (structure, each leaf's dtype and shape, and the value of each 0-d leaf: counts and
+    (structure, each leaf's dtype, whether it is 1-D, and the value of each 0-d leaf: counts and
     hyperparameters; read once, at init)."""
     out = {**settings, "transform state": str(optree.tree_structure(tx_state))}
     for path, x in zip(*leaf_paths(tx_state)[:2]):
         if isinstance(x, torch.Tensor):
-            what = "[S]" if x.shape == (layout.shard_numel,) else repr(x.item()) if x.ndim == 0 else str(tuple(x.shape))
+            # 1-D: [S], [S / block], or a group's compacted elements (transforms.partition), whose
+            # length differs from rank to rank (and may equal S on one of them).
+            what = repr(x.item()) if x.ndim == 0 else "1-D" if x.ndim == 1 else str(tuple(x.shape))
             out[f"transform leaf {path}"] = f"{what} {x.dtype}"
     return out

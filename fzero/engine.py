@@ -33,6 +33,7 @@ from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
 from .grads import Accumulated, GradFn, GradPath
 from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
+from .shard_view import ShardView, bind
 from .storage import master_storage
 from .update import cast_params, write_into
 
@@ -77,6 +78,7 @@ class Engine:
         else:
             self.comm = group if isinstance(group, (Comm, SimulatedComm)) else Comm.of(group)
         self._bound: Binding | None = None
+        self._shard_tx = tx
 
     @property
     def layout(self) -> Layout | None:
@@ -112,7 +114,8 @@ class Engine:
             shard = tree_shard(params, layout, comm.rank, dtype=torch.float32)
             shard = comm.replicate_shard(shard)  # with replicas: the first one's, so that all copies agree
             first_params = cast_params(shard, self.param_dtype, copy=True)
-        state = fresh_state(self.tx, params, layout, comm.rank, to_state_device(shard, state_device))
+        context = ShardView.root(params, layout, comm, device)
+        state = fresh_state(self.tx, context, to_state_device(shard, state_device))
         state = self.stored(state, first_params)
         # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
         # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
@@ -124,6 +127,7 @@ class Engine:
                            state.tx_state)
         if self._bound is None:
             self._bound = bound
+            self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "
                              "transform state) by an earlier init; build a new engine with fzero.zero1 for them")
@@ -163,7 +167,7 @@ class Engine:
         master = to_state_device(torch.zeros(layout.shard_numel, device=device), b.state_device)
         # the transform's init may look at the params' shapes (masks); values are not needed
         like = layout.treespec.unflatten([torch.zeros((), device=device).expand(s) for s in layout.shapes])
-        return fresh_state(self.tx, like, layout, self.comm.rank, master), self.loss_scale.init(device)
+        return fresh_state(self.tx, ShardView.root(like, layout, self.comm, device), master), self.loss_scale.init(device)
 
     # ------------------------------------------------------------------ the master's storage
     def with_fp32_master(self, params: Any, state: ZeroState, *, where: str = "engine.with_fp32_master") -> ZeroState:
@@ -215,9 +219,9 @@ class Engine:
         given, state = state, self._full(params, state, mode)  # the FP32 master (remainder: joined; params: theirs)
 
         reduced = stages.reduce(path, grads, mode)
-        checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self.tx, state.tx_state, mode)
+        checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self._shard_tx, state.tx_state, mode)
         out = stages.cast_target(params, path.layout, mode)
-        master, tx_state, shard = stages.update(self.tx, checked, state.master, state.tx_state,
+        master, tx_state, shard = stages.update(self._shard_tx, checked, state.master, state.tx_state,
                                                 param_dtype=self.param_dtype, mode=mode, out=out)
         new_params = stages.gather(path, shard, params, mode, cast_into_params=out is not None)
         scale, scaler_state = scaler_state.scale, self.loss_scale.update(scaler_state, checked.found_inf)

@@ -23,7 +23,7 @@ from .grads import Reduced, Segments
 from .mode import StepMode, compiling
 from .remainder import round_bf16
 
-__all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole",
+__all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole", "compiled_whole",
            "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
@@ -233,10 +233,21 @@ def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip
     return master, optree.tree_map(lambda full, new: full if is_shard(full) else new, tx_state, fused.state), out
 
 
-def generic_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
+def generic_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out,
+                  update=_update):
     """``tx.update`` on the whole shard at once (compiled: inductor fuses it into one loop)."""
-    master, tx_state, shard = _update(tx, grads.mean(master.device), master, tx_state, skip, norm, param_dtype)
+    master, tx_state, shard = update(tx, grads.mean(master.device), master, tx_state, skip, norm, param_dtype)
     return master, tx_state, shard if out is None else out.copy_(shard)
+
+
+def compiled_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
+    """``generic_whole`` with the update compiled, for a transform that takes the whole shard
+    (``needs_context``: ``partition``, Muon) eager on a large CPU shard: the groups' gathers and
+    the elementwise math fused into a few loops instead of one eager pass per op (the small
+    GPT's Muon + AdamW step on 2 ranks, ``benchmarks/muon.py``: see docs/muon.md). Compiled once
+    per transform, at the first step, as ``compiled_chunks`` is."""
+    return generic_whole(tx, fused, grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=chunk,
+                         donate=donate, out=out, update=_COMPILED_UPDATE)
 
 
 def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
@@ -299,14 +310,19 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     device), else ``generic_chunks`` or ``generic_whole`` (``mode.chunk``), with ``None``;
     ``compiled_chunks`` instead of ``generic_chunks`` for BF16 or 8-bit state on a shard of at
     least ``COMPILE_NUMEL`` elements (below that, compiling costs more than it saves) when no
-    ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops)."""
+    ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops). A transform
+    that ``needs_context`` takes the whole shard: ``generic_whole``, or on such a CPU shard
+    ``compiled_whole``."""
+    eager_cpu = mode.chunk is not None and not mode.compiled and numel >= COMPILE_NUMEL
+    if tx.needs_context:  # the whole shard at once, never in chunks
+        return (compiled_whole if eager_cpu and _get_current_dispatch_mode() is None else generic_whole), None
     if mode.fused:
         fused = tx.fused(tx_state, grad_scale=grads.grad_scale.to(mode.state_device), found_inf=skip, grad_norm=norm)
         if fused is not None and fused.kernel is not None:
             return fused_chunks, fused
     if mode.chunk is None or mode.chunk >= numel:
         return generic_whole, None
-    if (not mode.compiled and numel >= COMPILE_NUMEL and _low_precision(tx_state, numel)
-            and _get_current_dispatch_mode() is None):  # torch.compile does not run under a dispatch mode
+    if eager_cpu and _low_precision(tx_state, numel) and _get_current_dispatch_mode() is None:
+        # torch.compile does not run under a dispatch mode
         return compiled_chunks, None
     return generic_chunks, None

@@ -19,6 +19,7 @@ third argument; for a ``loss(params, batch)`` callable use
 import math
 from dataclasses import dataclass
 
+import optree
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -106,6 +107,19 @@ def init(generator, config, dtype=torch.float32, device=None):
     if not config.tied:
         params["head"] = normal(config.vocab_size, D)
     return params
+
+
+def muon_labels(params):
+    """``transforms.partition``'s labels for the nanoGPT-speedrun split: ``"muon"`` for the
+    blocks' weight matrices, ``"adamw"`` for the rest (embeddings, the head, LayerNorms, biases).
+    The matrices are stored ``[in, out]``, transposed from ``nn.Linear``'s: Newton–Schulz does
+    not mind, but ``muon(adjust_lr_fn=None)`` scales by ``sqrt(max(1, A/B))`` of the stored
+    shape; ``"match_rms_adamw"`` is the same either way."""
+    def label(path, x):
+        return "muon" if path[0] == "blocks" and x.ndim == 2 else "adamw"
+
+    paths, leaves, spec = optree.tree_flatten_with_path(params)
+    return spec.unflatten([label(p, x) for p, x in zip(paths, leaves)])
 
 
 def _layer_norm(p, x):

@@ -15,7 +15,7 @@ def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
     table = fzero.comm.FUNCTIONAL.wrapped(lambda name, fn: (name, fn))
     assert table == fzero.comm.Collectives(*((name, fn) for name, fn in zip(table._fields, fzero.comm.FUNCTIONAL)))
     assert [name for name, _ in table] == ["reduce_scatter", "all_gather", "all_reduce", "broadcast",
-                                          "reduce_scatter_donated", "all_gather_into"]
+                                          "reduce_scatter_donated", "all_gather_into", "all_to_all"]
 
 
 def counted_step(rank, world_size):

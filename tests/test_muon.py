@@ -126,10 +126,10 @@ def test_muon_refuses_a_leaf_that_is_not_a_matrix_naming_it():
         transforms.muon().init({"layers": [torch.zeros(3, 4), {"b": torch.zeros(7)}]})
 
 
-def test_muon_under_the_engine_says_it_is_not_supported_yet():
+def test_muon_under_the_engine_names_a_leaf_that_is_not_a_matrix():
     engine = fzero.zero1(transforms.muon(), param_dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match="whole matrices"):
-        engine.init({"w": torch.zeros(4, 4)})
+    with pytest.raises(ValueError, match="leaf 'b' has shape \\(7,\\)"):
+        engine.init({"w": torch.zeros(4, 4), "b": torch.zeros(7)})
 
 
 def test_adjusted_ratio_is_torchs():

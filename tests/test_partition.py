@@ -141,8 +141,10 @@ def test_bad_transforms_by_label():
         transforms.partition({"a": torch.optim.AdamW}, lambda p: p)
 
 
-def test_partition_under_the_engine_says_it_is_not_supported_yet():
-    engine = fzero.zero1(transforms.partition({"a": transforms.adamw()}, lambda p: optree.tree_map(lambda x: "a", p)),
-                         param_dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match="partition under fzero's engine"):
-        engine.init({"w": torch.zeros(4, 4)})
+def test_a_group_with_8_bit_moments_under_the_engine_is_refused_naming_it():
+    # A group's compacted shard is not aligned to the 8-bit moments' blocks of 256 elements.
+    tx = transforms.partition({"a": transforms.adamw(mu_dtype=torch.int8, nu_dtype=torch.int8), "b": transforms.adamw()},
+                              {"w": "a", "v": "b"})
+    engine = fzero.zero1(tx, param_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"transforms_by_label\['a'\] keeps state in blocks of 256"):
+        engine.init({"w": torch.zeros(4, 4), "v": torch.zeros(3)})

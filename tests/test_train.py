@@ -250,6 +250,9 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--mesh", "3,2"], 4, "--mesh 3,2 needs 6 ranks, this run has 4"),
     (["--mesh", "2"], 2, "--mesh 2 must be two positive integers R,S"),
     (["--keep-master", "remainder"], 1, "--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, got --dtype fp16"),
+    (["--optimizer", "muon", "--model", "mlp"], 1, "--optimizer muon trains the GPT's blocks' matrices with Muon: it needs --model gpt"),
+    (["--optimizer", "muon", "--save-every", "5"], 1, "--save-every: checkpoints of Muon's state are not supported yet"),
+    (["--optimizer", "muon", "--moments", "int8"], 1, "--moments int8 keeps AdamW's moments in blocks of 256 elements"),
     # flags that fix the model and its optimizer state, against the checkpoint's (RESUMABLE)
     (["--resume", "{ckpt}", "--dtype", "fp16"], 1,
      "--resume {ckpt}: --dtype fp16 (checkpoint: bf16): these flags fix the model and its optimizer state; "
@@ -613,6 +616,30 @@ def test_engine_step_decays_matrices_only():
     train_py = load_train_module()
     engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py)), param_dtype=torch.float32)
     p, state, scaler_state = engine.init(nano_gpt_params())
+    new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
+    for old, x in zip(optree.tree_leaves(p), optree.tree_leaves(new)):
+        if old.ndim >= 2:
+            torch.testing.assert_close(x, old * (1 - 0.1 * 0.5), rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(x, old)
+
+
+def test_muon_optimizer_trains_the_blocks_matrices_with_muon_and_the_rest_with_adamw():
+    """--optimizer muon: one engine step with zero grads at lr 0.1, weight decay 0.5. Muon's
+    update of a zero momentum is zero, so its matrices move by the decay alone, as AdamW's
+    decayed matrices (the embeddings) do; 1-D params stay. Muon's state holds the blocks'
+    matrices only, AdamW's the rest."""
+    train_py = load_train_module()
+    args = train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10",
+                                "--optimizer", "muon"])
+    engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.float32)
+    p, state, scaler_state = engine.init(nano_gpt_params())
+    labels = optree.tree_leaves(gpt.muon_labels(p))
+    assert labels.count("muon") == 4 and {x.ndim for x, l in zip(optree.tree_leaves(p), labels) if l == "muon"} == {2}
+    inner = state.tx_state[1].inner_states  # chain(clip, partition)
+    muon_numel = sum(x.numel() for x, l in zip(optree.tree_leaves(p), labels) if l == "muon")
+    assert inner["muon"][0].momentum_buffer.numel() == muon_numel
+    assert inner["adamw"][0].mu.numel() == engine.layout.numel - muon_numel
     new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
     for old, x in zip(optree.tree_leaves(p), optree.tree_leaves(new)):
         if old.ndim >= 2:

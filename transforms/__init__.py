@@ -3,8 +3,9 @@
 Each transform is ``GradientTransformation(init, update)`` with ``init(params, *, context=None)``
 and ``update(updates, state, params=None, **extra)``; they work on any pytree. A caller that
 applies them to a flat shard of a pytree (fzero's engine: one rank's FP32 shard) passes
-``context=ShardContext(tree, to_shard)`` to ``init``, so that masks still refer to the pytree's
-leaves (see ``transforms.base``). ``scalar`` and ``hyperparam`` are the helpers for the 0-d
+a ``ShardContext`` to ``init``, so that masks still refer to the pytree's leaves, and to every
+``update`` of a transform that ``needs_context`` (``partition`` groups the shard's elements by
+leaf, Muon has the caller make each matrix whole): see ``transforms.base``. ``scalar`` and ``hyperparam`` are the helpers for the 0-d
 tensors of states and steps (see ``transforms.scalars``). ``transforms.quantize`` is the 8-bit
 block-wise storage of ``adamw(mu_dtype=torch.int8, nu_dtype=torch.int8)``'s moments.
 ``partition`` gives each group of leaves its own transform (``muon`` for hidden matrices, say).
@@ -15,6 +16,7 @@ from .base import (
     GradientTransformation,
     MaskedState,
     ShardContext,
+    Split,
     apply_updates,
     chain,
     get_hyperparams,
@@ -40,6 +42,7 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByMuonState",
     "ShardContext",
+    "Split",
     "adamw",
     "add_decayed_weights",
     "apply_updates",

@@ -33,6 +33,7 @@ __all__ = [
     "GradientTransformation",
     "FusedStep",
     "ShardContext",
+    "Split",
     "resolve_per_leaf",
     "chain",
     "identity",
@@ -87,27 +88,65 @@ class GradientTransformation(NamedTuple):
     elementwise state. A caller running the transform on a flat shard gives it a whole number
     of blocks, and cuts it into chunks only at block edges (fzero's engine aligns every rank's
     slice to it); the state then holds ``[S]`` tensors, ``[S / block]`` per-block tensors and
-    0-d ones. ``chain`` takes the least common multiple of its members'."""
+    0-d ones. ``chain`` takes the least common multiple of its members'.
+
+    ``needs_context``: the update is not elementwise on a flat tensor standing for the params
+    (it groups leaves, or needs each leaf whole): a caller that runs it on such a tensor passes
+    the ``ShardContext`` it gave ``init`` to every ``update`` as ``context=``, and never cuts
+    the tensor into chunks. ``chain`` and ``masked`` need it when a member does."""
 
     init: Callable[..., Any]
     update: Callable[..., tuple[Any, Any]]
     fused: Callable[..., Any] | None = None
     hyperparams: Callable[[Any], dict] | None = None
     block: int = 1
+    needs_context: bool = False
 
 
-class ShardContext(NamedTuple):
-    """What ``init(params, *, context=...)`` gets when ``params`` is not the params pytree but
-    a tensor standing for (a shard of) it, e.g. one rank's flat FP32 shard under fzero's engine.
-    Given once, at init; ``None`` (the default) means ``params`` is the pytree itself.
+class ShardContext:
+    """What a transform gets as ``context=`` when the tensor it runs on is not the params pytree
+    but stands for (a shard of) it, e.g. one rank's flat FP32 shard under fzero's engine.
+    ``None`` (the default) means the params are the pytree itself. ``init`` always gets it; a
+    transform that declares ``needs_context`` gets the same context in every ``update`` too.
 
     ``tree``: the params pytree the tensor stands for (shapes matter; values may be
-    placeholders) -- what a mask callable is applied to. ``to_shard(per_leaf)``: a pytree like
-    ``tree`` of per-leaf values (bools, or bool tensors broadcastable to each leaf) -> a tensor
-    laid out like the params the transform runs on."""
+    placeholders), what a mask callable is applied to; leaves the tensor holds nothing of are
+    ``None``. ``to_shard(per_leaf)``: a pytree like ``tree`` of per-leaf values (bools, or bool
+    tensors broadcastable to each leaf) -> a bool tensor laid out like the tensor.
 
-    tree: Any
-    to_shard: Callable[[Any], torch.Tensor]
+    Two more methods serve transforms that are not elementwise (``partition``, Muon); this base
+    class, for callers that only lay out masks, raises ``NotImplementedError`` in both:
+
+    * ``split(labels_of) -> Split``: the tensor's elements grouped by the label of their leaf
+      (``labels_of(tree)``: one string per leaf of ``tree``, in leaf order; called once, the
+      same ``labels_of`` then gives the same ``Split``), each group compacted into a tensor of
+      its own with a context of its own;
+    * ``whole(x, fn, *, dtype=None)``: ``x`` laid out like the tensor -> a tensor laid out the
+      same, in ``dtype`` (default ``x.dtype``), where each leaf's elements are those of
+      ``fn(that leaf of x, whole, in its shape)`` (padding: zero). The caller gathers each leaf
+      whole however it holds them (fzero: through its communicator); the transform stays
+      blind to ranks."""
+
+    def __init__(self, tree: Any, to_shard: Callable[[Any], torch.Tensor]):
+        self.tree, self.to_shard = tree, to_shard
+
+    def split(self, labels_of) -> "Split":
+        raise NotImplementedError(f"{type(self).__name__} cannot group the elements by leaf (split)")
+
+    def whole(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], *, dtype=None) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} cannot gather whole leaves (whole)")
+
+
+class Split(NamedTuple):
+    """``ShardContext.split``'s result. ``parts``: ``{label: ShardContext}`` of each group's
+    compacted tensor (labels no leaf has are absent); ``take(x)``: ``x`` laid out like the
+    split tensor -> ``{label: that group's compacted tensor}``; ``join(parts)``: the inverse,
+    ``{label: tensor}`` for every label of ``parts`` -> one tensor laid out like the split one
+    (padding zero)."""
+
+    parts: dict
+    take: Callable[[torch.Tensor], dict]
+    join: Callable[[dict], torch.Tensor]
 
 
 def resolve_per_leaf(setting, params, context: ShardContext | None = None):
@@ -172,10 +211,11 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     # A member that updates the params must be the last one: a member after it would transform
     # updates that its kernel never produces.
     every_fused = bool(txs) and all(tx.fused is not None for tx in txs)
+    needs = any(tx.needs_context for tx in txs)
     if every_fused and not any(updates_params(tx.fused) for tx in txs[:-1]):
         fused.updates_params = updates_params(txs[-1].fused)
-        return GradientTransformation(init, update, fused, hyper, block)
-    return GradientTransformation(init, update, None, hyper, block)
+        return GradientTransformation(init, update, fused, hyper, block, needs)
+    return GradientTransformation(init, update, None, hyper, block, needs)
 
 
 def updates_params(fused) -> bool:
@@ -220,7 +260,7 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
         return chosen, MaskedState(inner_state, state.mask)
 
     hyperparams = inner.hyperparams and (lambda state: inner.hyperparams(state.inner))
-    return GradientTransformation(init, update, None, hyperparams, inner.block)
+    return GradientTransformation(init, update, None, hyperparams, inner.block, inner.needs_context)
 
 
 def _finite_at_least_0(v: float) -> bool:

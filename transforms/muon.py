@@ -105,26 +105,27 @@ def scale_by_muon(momentum: float = 0.95, *, nesterov: bool = True, ns_steps: in
     eps = check_number("scale_by_muon", "eps", eps, HYPERPARAM_RULES["eps"])
 
     def init(params, *, context: ShardContext | None = None):
-        if context is not None:
-            raise NotImplementedError(
-                "transforms.muon under fzero's engine: Newton-Schulz needs whole matrices, and the engine runs "
-                "transforms on each rank's flat shard; use torch.optim.Muon or fzero with adamw for now")
-        _check_matrices(params, "scale_by_muon")
+        _check_matrices(params if context is None else context.tree, "scale_by_muon")
         return ScaleByMuonState(optree.tree_map(torch.zeros_like, params), hyperparam(momentum, params))
 
-    def update(updates, state, params=None, **extra):
+    def orthogonalized(m):
+        """``[A, B]`` momentum -> ``r(A, B) NS(m)`` in FP32."""
+        return newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=eps).float() * adjusted_ratio(
+            m.shape, adjust_lr_fn)
+
+    def update(updates, state, params=None, *, context: ShardContext | None = None, **extra):
         # 1 - mu in float64, then FP32: the weight torch's lerp_(grad, 1 - momentum) gets
         mu, keep = scalar(state.momentum), scalar(1 - state.momentum)
         buf = optree.tree_map(lambda g, b: b.lerp(g.to(b.dtype), keep), updates, state.momentum_buffer)
         ms = optree.tree_map(lambda g, b: g.to(b.dtype).lerp(b, mu), updates, buf) if nesterov else buf
+        if context is None:  # the leaves are the matrices
+            out = optree.tree_map(lambda m, g: orthogonalized(m).to(g.dtype), ms, updates)
+        else:  # a tensor standing for them: the caller makes each matrix whole. BF16 is what
+            # Newton-Schulz casts to first: the same bits, half the bytes to gather.
+            out = context.whole(ms.bfloat16(), orthogonalized, dtype=torch.float32).to(updates.dtype)
+        return out, state._replace(momentum_buffer=buf)
 
-        def orthogonalized(m, g):
-            o = newton_schulz(m, steps=ns_steps, coefficients=coefficients, eps=eps)
-            return (o.float() * adjusted_ratio(m.shape, adjust_lr_fn)).to(g.dtype)
-
-        return optree.tree_map(orthogonalized, ms, updates), state._replace(momentum_buffer=buf)
-
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, needs_context=True)
 
 
 def muon(lr=1e-3, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, weight_decay: float = 0.0,

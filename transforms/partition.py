@@ -37,8 +37,9 @@ def partition(transforms_by_label: Mapping[str, GradientTransformation], labels:
     raises ``ValueError`` naming the leaf. ``hyperparams`` are each member's, named
     ``"{label}/{name}"`` (``"muon/lr"``).
 
-    Not yet under fzero's engine, which runs transforms on each rank's flat shard: ``init``
-    with a ``ShardContext`` raises ``NotImplementedError``."""
+    On a flat tensor standing for the params (fzero's engine: a rank's shard), ``context``
+    groups its elements by label (``ShardContext.split``): each transform runs on its group's
+    elements compacted into one tensor, and keeps state of that size."""
     transforms_by_label = dict(transforms_by_label)
     for key, tx in transforms_by_label.items():
         if not isinstance(key, str):
@@ -67,15 +68,40 @@ def partition(transforms_by_label: Mapping[str, GradientTransformation], labels:
 
     def init(params, *, context: ShardContext | None = None):
         if context is not None:
-            raise NotImplementedError(
-                "transforms.partition under fzero's engine (the transform on each rank's flat shard) is not "
-                "supported yet (docs/muon.md): under the engine, use one transform, with transforms.masked for "
-                "per-leaf differences")
+            parts = _split(context)
+            taken = parts.take(params)
+            nothing = optree.tree_map(lambda _: None, context.tree)  # a label no leaf has: a state of no leaves
+            return PartitionState({k: tx.init(taken[k], context=parts.parts[k]) if k in parts.parts else
+                                   tx.init(nothing) for k, tx in transforms_by_label.items()})
         tags, spec = leaf_labels(params)
         leaves = spec.flatten_up_to(params)
         return PartitionState({k: tx.init(only(leaves, spec, tags, k)) for k, tx in transforms_by_label.items()})
 
-    def update(updates, state, params=None, **extra):
+    def tags_of(tree) -> list:
+        """The labels of ``tree``'s leaves, checked; a group's state must align to its blocks."""
+        tags = leaf_labels(tree)[0]
+        for k, tx in transforms_by_label.items():
+            if tx.block != 1 and k in tags:
+                raise ValueError(f"partition: transforms_by_label[{k!r}] keeps state in blocks of {tx.block} "
+                                 "elements (8-bit moments), which a group's compacted shard does not align to; "
+                                 "use mu_dtype/nu_dtype of torch.bfloat16 or FP32 moments inside a partition")
+        return tags
+
+    def _split(context: ShardContext):
+        """The context's tensor split by label (each group's leaves compacted: ``Split``); the
+        context works it out once (the labels resolved at ``init``, not traced at each step)."""
+        return context.split(tags_of)
+
+    def update(updates, state, params=None, *, context: ShardContext | None = None, **extra):
+        if context is not None:  # a flat tensor standing for the params: each group compacted
+            parts = _split(context)
+            grads, mine = parts.take(updates), None if params is None else parts.take(params)
+            new = {}
+            inner = dict(state.inner_states)
+            for k, sub in parts.parts.items():
+                new[k], inner[k] = transforms_by_label[k].update(grads[k], state.inner_states[k],
+                                                                 None if mine is None else mine[k], context=sub, **extra)
+            return parts.join(new), PartitionState(inner)
         tags, spec = leaf_labels(updates)
         out = spec.flatten_up_to(updates)
         param_leaves = None if params is None else spec.flatten_up_to(params)
@@ -94,4 +120,5 @@ def partition(transforms_by_label: Mapping[str, GradientTransformation], labels:
 
     hyper = hyperparams if any(tx.hyperparams for tx in transforms_by_label.values()) else None
     block = math.lcm(*(tx.block for tx in transforms_by_label.values())) if transforms_by_label else 1
-    return GradientTransformation(init, update, None, hyper, block)
+    # Always: on a flat tensor it groups the elements by leaf, whatever its members are.
+    return GradientTransformation(init, update, None, hyper, block, needs_context=True)

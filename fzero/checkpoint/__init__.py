@@ -88,6 +88,7 @@ def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tupl
     # the one place the params are used (checked as step checks them); master="remainder":
     # the FP32 master joined from this rank's shard of them and the remainder
     # (params edited since the step, or of another step with the remainder, raise here)
+    manifest.check_transform(engine, "checkpoint.save")
     names, leaves, _ = leaf_paths(saved_form(engine.with_fp32_master(params, state, where="checkpoint.save")))
     kinds = manifest.classify(names, leaves, engine.layout.shard_numel)
     return names, leaves, kinds, manifest.extra_json(extra)
@@ -187,6 +188,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     """
     if hyperparams not in HYPERPARAMS_FROM:
         raise ValueError(f"hyperparams must be one of {HYPERPARAMS_FROM}, got {hyperparams!r}")
+    manifest.check_transform(engine, "checkpoint.load")
     need_safetensors()
     layout, comm = ready(engine)
     comm.arrive("checkpoint.load", timeout=engine.call_timeout)

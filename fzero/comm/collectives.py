@@ -37,6 +37,8 @@ class Collectives(NamedTuple):
       buffer the caller gives up: it may be overwritten (reduced in place, no copy of it)
     * ``all_gather_into(x, out, dim, group)`` -> ``out``, overwritten with ``all_gather``'s
       result (written in place where the backend allows: no new buffer)
+    * ``all_to_all(x, output_split_sizes, input_split_sizes, group)`` -> the pieces every rank
+      sent this one, concatenated in rank order (``x`` holds one piece for each rank, in order)
 
     The input tensor is always the first argument and the group's name the last.
     The last two return their result complete (nothing in flight)."""
@@ -47,6 +49,7 @@ class Collectives(NamedTuple):
     broadcast: Callable[..., torch.Tensor]
     reduce_scatter_donated: Callable[..., torch.Tensor]
     all_gather_into: Callable[..., torch.Tensor]
+    all_to_all: Callable[..., torch.Tensor]
 
     def wrapped(self, wrap: Callable[[str, Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]) -> "Collectives":
         """The table whose collective ``name`` is ``wrap(name, this table's function)``, e.g. one
@@ -73,6 +76,7 @@ FUNCTIONAL = Collectives(
     # a reduce-scatter reads its input without copying it, whoever owns it
     reduce_scatter_donated=_reduce_scatter,
     all_gather_into=_copy_of_all_gather,
+    all_to_all=funcol.all_to_all_single,
 )
 
 

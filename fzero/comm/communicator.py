@@ -1,7 +1,8 @@
 """The interface every communicator shares, and what it builds on its primitives.
 
 A communicator provides ``reduce_scatter_bucket``, ``all_gather_bucket`` (and
-``all_gather_bucket_into``, the same into a given buffer), ``all_reduce_sum``,
+``all_gather_bucket_into``, the same into a given buffer), ``all_to_all`` (``fzero.shard_view``'s
+whole leaves), ``all_reduce_sum``,
 ``broadcast`` (rank 0's tensor of the whole data-parallel world), ``all_gather_object``, ``wait``, ``arrive``, ``check_unchanged`` and ``time_buckets``; this base
 adds the averaging reduce-scatter (``reduce_scatter_mean``, ``start_mean``: FSDP's pre/post split
 of the 1/N hidden behind ``mean_factor``), the gather of a whole shard, and the cross-rank

@@ -150,6 +150,15 @@ class Comm(Communicator):
             return out.copy_(x)
         return self.issue(lambda: _gather_what(i, layout), self.collectives.all_gather_into, x, out, 0, self.group)
 
+    def all_to_all(self, x: torch.Tensor, output_sizes: list[int], input_sizes: list[int]) -> torch.Tensor:
+        """``x``, ``input_sizes[r]`` elements for each rank ``r`` of the shard group in turn ->
+        what each rank sent this one (``output_sizes[r]`` from rank ``r``), in rank order:
+        ``fzero.shard_view`` hands each matrix to the rank that orthogonalizes it, and back."""
+        if self.world_size == 1:
+            return x
+        what = lambda: f"all_to_all of leaves made whole ({x.numel()} elements out, {sum(output_sizes)} in)"
+        return self.issue(what, self.collectives.all_to_all, x, list(output_sizes), list(input_sizes), self.group)
+
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise sum over ranks of a small tensor."""
         if self.world_size == 1:

@@ -56,6 +56,10 @@ class SimulatedComm(Communicator):
     def all_gather_bucket_into(self, out: torch.Tensor, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         return out.view(self.world_size, -1).copy_(x.expand(self.world_size, -1)).view(-1)
 
+    def all_to_all(self, x: torch.Tensor, output_sizes: list[int], input_sizes: list[int]) -> torch.Tensor:
+        # the true size; the values: this rank's pieces again, as if every rank held its tensors
+        return x.repeat(-(-sum(output_sizes) // max(1, x.numel())))[: sum(output_sizes)] if x.numel() else x.new_zeros(sum(output_sizes))
+
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.world_size
 

@@ -1,0 +1,339 @@
+"""The ``ShardContext`` the engine gives a transform: which leaf each element of a rank's
+``[S]`` shard belongs to, groups of leaves compacted (``transforms.partition``), and leaves made
+whole through the communicator (Muon's Newton–Schulz).
+
+A view's tensor is the rank's shard itself (the root view) or, after ``split``, one group's
+elements of its parent's tensor, compacted in their order. Either way it is a sequence of
+*runs*, each a piece of one leaf, and the view knows them: which leaf, where in the leaf, where
+in the tensor. Everything here is static Python worked out from the ``Layout`` (nothing is
+stored in the state): a transform that asks for ``split`` at every update gets the same one.
+
+``whole(x, fn)``: each leaf made whole on the rank of the shard group that computes it (the
+leaves divided among the ranks greedily by cost: the largest first, each to the least loaded
+rank, the longest-processing-time rule), ``fn`` applied there, and every rank's slice handed
+back -- Dion's division of the work (microsoft/dion), with two all-to-alls:
+
+    x (this view's tensor) -> all-to-all: each rank sends each piece to the rank computing its
+    leaf -> fn on this rank's leaves, whole -> all-to-all: each piece back where it came from
+
+Each element crosses the wire at most once each way (in ``x``'s dtype, then in ``fn``'s), only
+to the one rank that needs it: a rank sends and receives about its own share, ``P_view / N``
+elements (less the pieces of leaves it computes itself), where an all-gather would bring every
+rank ``(N-1)/N`` of all ``P_view``. The result is bit for bit what one process computes. On a
+hybrid mesh each replica's shard group does the same (the replicas hold the same values).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from fzero.transforms import ShardContext, Split
+
+from .flat import Layout, concat, per_leaf_shard
+
+__all__ = ["Run", "ShardView", "leaf_runs", "assign", "bind"]
+
+
+class Run(NamedTuple):
+    """``length`` elements of leaf ``leaf`` (its index in the layout) from element ``start``
+    of the flattened leaf: ``shard[shard_at : shard_at + length]`` of the rank's ``[S]`` shard."""
+
+    leaf: int
+    start: int
+    shard_at: int
+    length: int
+
+
+def leaf_runs(layout: Layout, rank: int) -> tuple[Run, ...]:
+    """The runs of rank ``rank``'s ``[S]`` shard, in shard order (padding is in none)."""
+    runs, pos = [], 0
+    for bucket, (lo, hi) in zip(layout.buckets, layout.shard_ranges(rank)):
+        for i in bucket.leaves:
+            a = layout.offsets[i]
+            s, e = max(a, lo), min(a + math.prod(layout.shapes[i]), hi)
+            if s < e:
+                runs.append(Run(i, s - a, pos + s - lo, e - s))
+        pos += hi - lo
+    return tuple(sorted(runs, key=lambda r: r.shard_at))
+
+
+def _cost(shape: torch.Size) -> int:
+    """Multiply-adds of a Newton–Schulz step on an ``[A, B]`` matrix, ``A <= B``: the Gram
+    matrix and the product with it, ``2 A^2 B``, and the polynomial's ``A^3`` (1-D and 0-d:
+    their element count)."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    a, b = sorted((shape[0], math.prod(shape[1:])))
+    return 2 * a * a * b + a ** 3
+
+
+def assign(shapes: list[torch.Size], ranks: int) -> list[int]:
+    """The rank (of ``ranks``) that computes each of ``shapes``: the largest first, each to the
+    least loaded rank so far (ties: the lower rank), the same on every rank."""
+    load = [0] * ranks
+    out = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-_cost(shapes[i]), i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += _cost(shapes[i])
+    return out
+
+
+def _segments(positions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, stop)`` ranges, in order, with adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for a, b in positions:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class _Geometry(NamedTuple):
+    """What every view of one rank's shard shares."""
+
+    layout: Layout
+    comm: Any  # fzero.comm communicator: moves each leaf's pieces to the rank computing it and back
+    device: torch.device  # where the collectives run (the params' device)
+    rank: int
+
+
+class ShardView(ShardContext):
+    """A ``ShardContext`` over a view's tensor. ``leaves``: the layout indices of the leaves of
+    ``tree``, in its leaf order; ``runs_of(rank)``: the view's runs on that rank of the shard
+    group, each a ``Run`` whose ``shard_at`` is replaced by where it starts in that rank's
+    tensor of the view, in order; ``runs``/``numel``: this rank's. ``parent``/``segments``:
+    where this view's tensor lies in its parent's, as ``(start, stop)`` ranges of the parent's
+    tensor (``None`` and ``()`` for the root)."""
+
+    def __init__(self, tree: Any, geometry: _Geometry, leaves: tuple[int, ...], parent: "ShardView | None" = None):
+        super().__init__(tree, self._to_shard)
+        self.geometry, self.leaves, self.parent = geometry, leaves, parent
+        self._runs: dict[int, tuple[Run, ...]] = {}
+        self._splits: dict[Callable, Split] = {}
+        self._plan = None
+        self.runs = self.runs_of(geometry.rank)
+        self.numel = geometry.layout.shard_numel if parent is None else sum(r.length for r in self.runs)
+        members = set(leaves)
+        self.segments = () if parent is None else tuple(_segments(
+            [(r.shard_at, r.shard_at + r.length) for r in parent.runs if r.leaf in members]))
+        # Now, eagerly (engine.init, partition's init): worked out inside a compiled step, the
+        # plan would be traced once as missing and once more as present.
+        self._plan = self._whole_plan()
+
+    @classmethod
+    def root(cls, tree: Any, layout: Layout, comm, device: torch.device) -> "ShardView":
+        """The view of ``comm.rank``'s ``[S]`` shard of ``layout`` (``tree``: the params or
+        placeholders of their shapes)."""
+        return cls(tree, _Geometry(layout, comm, device, comm.rank), tuple(range(len(layout.shapes))))
+
+    def runs_of(self, rank: int) -> tuple[Run, ...]:
+        """This view's runs on ``rank`` of the shard group (see the class docstring)."""
+        if rank not in self._runs:
+            if self.parent is None:
+                self._runs[rank] = leaf_runs(self.geometry.layout, rank)
+            else:
+                members, runs, at = set(self.leaves), [], 0
+                for r in self.parent.runs_of(rank):
+                    if r.leaf in members:
+                        runs.append(r._replace(shard_at=at))
+                        at += r.length
+                self._runs[rank] = tuple(runs)
+        return self._runs[rank]
+
+    # ------------------------------------------------------------------ masks
+    def _to_shard(self, per_leaf: Any) -> torch.Tensor:
+        g = self.geometry
+        if self.parent is None:
+            return per_leaf_shard(per_leaf, g.layout, g.rank, dtype=torch.bool, device=g.device)
+        values = optree.tree_leaves(per_leaf)
+        if len(values) != len(self.leaves):
+            raise ValueError(f"a per-leaf setting of a group of {len(self.leaves)} leaves has {len(values)} values")
+        mine = dict(zip(self.leaves, values))
+        full = self.parent.tree_of([mine.get(i, False) for i in self.parent.leaves])
+        return self._take(self.parent.to_shard(full))
+
+    def tree_of(self, leaf_values: list) -> Any:
+        """A pytree like ``tree`` with these values at its leaves, in leaf order."""
+        return optree.tree_structure(self.tree).unflatten(leaf_values)
+
+    # ------------------------------------------------------------------ groups
+    def split(self, labels_of) -> Split:
+        """See ``ShardContext.split``. Worked out once per ``labels_of`` (a later call with it
+        returns the same ``Split``): compiled, a step traces a dict lookup, not the labels."""
+        if labels_of not in self._splits:
+            self._splits[labels_of] = self._split(tuple(labels_of(self.tree)))
+        return self._splits[labels_of]
+
+    def _split(self, labels: tuple) -> Split:
+        if len(labels) != len(self.leaves):
+            raise ValueError(f"split: {len(labels)} labels for {len(self.leaves)} leaves")
+        label_of = dict(zip(self.leaves, labels))
+        spec = optree.tree_structure(self.tree)
+        flat_tree = optree.tree_leaves(self.tree)
+        parts = {}
+        for k in dict.fromkeys(labels):
+            tree = spec.unflatten([x if t == k else None for x, t in zip(flat_tree, labels)])
+            parts[k] = ShardView(tree, self.geometry, tuple(i for i, t in zip(self.leaves, labels) if t == k), self)
+        at = {k: 0 for k in parts}
+        order = []  # (start, stop) in this view's tensor, label, start in the part
+        for r in self.runs:
+            k = label_of[r.leaf]
+            order.append((r.shard_at, r.shard_at + r.length, k, at[k]))
+            at[k] += r.length
+        pieces = self._join_pieces(order)
+
+        def take(x: torch.Tensor) -> dict:
+            return {k: v._take(x) for k, v in parts.items()}
+
+        def join(values: dict) -> torch.Tensor:
+            return self._join(pieces, values)
+
+        return Split(parts, take, join)
+
+    def _take(self, x: torch.Tensor) -> torch.Tensor:
+        """This view's tensor out of its parent's ``x``."""
+        if not self.segments:
+            return x[:0]
+        return concat([x[a:b] for a, b in self.segments])
+
+    def _join_pieces(self, order: list) -> list[tuple]:
+        """How to assemble this view's tensor from its parts: ``(label, start, stop)`` slices of
+        a part, or ``(None, 0, n)`` for ``n`` zeros (padding), in order, adjacent slices of one
+        part merged."""
+        pieces, pos = [], 0
+        for a, b, k, at in order:
+            if a > pos:
+                pieces.append((None, 0, a - pos))
+            if pieces and pieces[-1][0] == k and pieces[-1][2] == at:
+                pieces[-1] = (k, pieces[-1][1], at + b - a)
+            else:
+                pieces.append((k, at, at + b - a))
+            pos = b
+        if self.numel > pos:
+            pieces.append((None, 0, self.numel - pos))
+        return pieces
+
+    @staticmethod
+    def _join(pieces: list[tuple], values: dict) -> torch.Tensor:
+        some = next(iter(values.values()))
+        parts = [values[k][a:b] if k is not None else some.new_zeros(b) for k, a, b in pieces]
+        return concat(parts) if parts else some[:0]
+
+    # ------------------------------------------------------------------ whole leaves
+    def whole(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], *, dtype=None) -> torch.Tensor:
+        """See ``ShardContext.whole`` and the module docstring. Every rank of the shard group
+        must call it (two all-to-alls), with the same ``fn``."""
+        g = self.geometry
+        dtype = x.dtype if dtype is None else dtype
+        plan = self._whole_plan()
+        if not plan.total:  # no element of these leaves on any rank
+            return torch.zeros(self.numel, dtype=dtype, device=x.device)
+        device = g.device
+        sent = concat([x[a:b] for a, b in plan.send]).to(device)  # my elements, grouped by the rank that computes them
+        got = g.comm.all_to_all(sent, plan.recv_sizes, plan.send_sizes)  # the pieces of the leaves I compute
+        done = {leaf: fn(concat([got[a:b] for a, b in parts]).view(g.layout.shapes[leaf])).reshape(-1).to(dtype)
+                for leaf, parts in plan.gathers.items()}
+        back = concat([done[leaf][a:b] for leaf, a, b in plan.back]) if plan.back else got.new_zeros(0, dtype=dtype)
+        mine = g.comm.all_to_all(back, plan.send_sizes, plan.recv_sizes)  # my elements' results, as I sent them
+        out = concat([mine[a:b] if a is not None else torch.zeros(b, dtype=dtype, device=device) for a, b in plan.out])
+        return out.to(x.device)
+
+    def _whole_plan(self) -> "_WholePlan":
+        """``whole``'s plan, worked out once (see ``_WholePlan``)."""
+        if self._plan is None:
+            g = self.geometry
+            n, me = g.comm.world_size, g.rank
+            everyone = [self.runs_of(r) for r in range(n)]
+            owner = dict(zip(self.leaves, assign([g.layout.shapes[i] for i in self.leaves], n)))
+            send = [[r for r in everyone[me] if owner[r.leaf] == o] for o in range(n)]
+            recv = [[r for r in everyone[s] if owner[r.leaf] == me] for s in range(n)]
+            parts: dict[int, list] = {i: [] for i in sorted((i for i in self.leaves if owner[i] == me),
+                                                          key=lambda i: g.layout.offsets[i])}
+            back, pos = [], 0
+            for runs in recv:
+                for r in runs:
+                    parts[r.leaf].append((r.start, pos, r.length))
+                    back.append((r.leaf, r.start, r.start + r.length))
+                    pos += r.length
+            at, pos = {}, 0  # where each of my runs comes back, in the second all-to-all's result
+            for runs in send:
+                for r in runs:
+                    at[r.shard_at], pos = pos, pos + r.length
+            out, end = [], 0
+            for r in everyone[me]:
+                if r.shard_at > end:
+                    out.append((None, r.shard_at - end))  # the root's padding
+                out.append((at[r.shard_at], at[r.shard_at] + r.length))
+                end = r.shard_at + r.length
+            if self.numel > end:
+                out.append((None, self.numel - end))
+            self._plan = _WholePlan(
+                send=tuple(_segments([(r.shard_at, r.shard_at + r.length) for runs in send for r in runs])),
+                send_sizes=tuple(sum(r.length for r in runs) for runs in send),
+                recv_sizes=tuple(sum(r.length for r in runs) for runs in recv),
+                gathers={i: tuple(_segments([(p, p + k) for _, p, k in sorted(ps)])) for i, ps in parts.items()},
+                back=tuple(_merge_slices(back)), out=tuple(_merge_ranges(out)),
+                total=sum(sum(r.length for r in runs) for runs in everyone))
+        return self._plan
+
+
+class _WholePlan(NamedTuple):
+    """How ``ShardView.whole`` moves one view's elements, worked out once from the layout.
+
+    ``send``: ``(start, stop)`` ranges of this rank's tensor of the view, in the order the
+    first all-to-all sends them: grouped by the rank that computes their leaf, each group in
+    the tensor's order; ``send_sizes``/``recv_sizes``: elements sent to / received from each
+    rank of the shard group. ``gathers``: for each leaf this rank computes, the ranges of what it
+    received that make it whole, in the leaf's order. ``back``: ``(leaf, start, stop)`` slices of
+    the results, in the order the second all-to-all sends them back (the order received).
+    ``out``: this rank's tensor of the view from what comes back, as ranges of it or ``(None,
+    n)`` for ``n`` zeros (the root's padding). ``total``: the view's elements over all ranks."""
+
+    send: tuple
+    send_sizes: tuple
+    recv_sizes: tuple
+    gathers: dict
+    back: tuple
+    out: tuple
+    total: int
+
+
+def _merge_slices(pieces: list[tuple]) -> list[tuple]:
+    """``(leaf, start, stop)`` slices with adjacent slices of one leaf merged."""
+    out: list[tuple] = []
+    for leaf, a, b in pieces:
+        if out and out[-1][0] == leaf and out[-1][2] == a:
+            out[-1] = (leaf, out[-1][1], b)
+        else:
+            out.append((leaf, a, b))
+    return out
+
+
+def _merge_ranges(pieces: list[tuple]) -> list[tuple]:
+    """``(start, stop)`` ranges of one tensor and ``(None, n)`` runs of zeros, adjacent ones merged."""
+    out: list[tuple] = []
+    for a, b in pieces:
+        if out and a is not None and out[-1][0] is not None and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        elif out and a is None and out[-1][0] is None:
+            out[-1] = (None, out[-1][1] + b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def bind(tx, context: ShardContext):
+    """``tx`` whose ``update`` gets ``context=context`` (a transform that ``needs_context``;
+    others are returned as they are)."""
+    if not tx.needs_context:
+        return tx
+
+    def update(updates, state, params=None, **extra):
+        return tx.update(updates, state, params, context=context, **extra)
+
+    return tx._replace(update=update)
