@@ -158,10 +158,6 @@ def check_args(args, world: int, given: set[str] | None = None) -> dict | None:
     if args.optimizer == "muon":
         if args.model != "gpt":
             raise UsageError("--optimizer muon trains the GPT's blocks' matrices with Muon: it needs --model gpt")
-        if args.save_every or args.resume:
-            which = "--save-every" if args.save_every else "--resume"
-            raise UsageError(f"{which}: checkpoints of Muon's state are not supported yet (drop {which}, or use "
-                             "--optimizer adamw)")
         if args.moments == "int8":
             raise UsageError("--moments int8 keeps AdamW's moments in blocks of 256 elements, which the AdamW group "
                              "of --optimizer muon does not align to: use --moments bf16 or fp32")

@@ -79,6 +79,7 @@ class Engine:
             self.comm = group if isinstance(group, (Comm, SimulatedComm)) else Comm.of(group)
         self._bound: Binding | None = None
         self._shard_tx = tx
+        self._context: ShardView | None = None
 
     @property
     def layout(self) -> Layout | None:
@@ -89,6 +90,14 @@ class Engine:
     def device(self) -> torch.device | None:
         """Where params and grads live (``None`` before ``init``)."""
         return None if self._bound is None else self._bound.grads.device
+
+    @property
+    def shard_context(self) -> ShardView:
+        """The ``ShardContext`` ``init`` gave the transform (``fzero.shard_view.ShardView``): which
+        leaf each element of this rank's shard belongs to; checkpoints map a ``partition``'s
+        grouped state to global coordinates through it. Raises before ``init``."""
+        self._ready()
+        return self._context
 
     @property
     def grad_path(self) -> GradPath:
@@ -114,7 +123,10 @@ class Engine:
             shard = tree_shard(params, layout, comm.rank, dtype=torch.float32)
             shard = comm.replicate_shard(shard)  # with replicas: the first one's, so that all copies agree
             first_params = cast_params(shard, self.param_dtype, copy=True)
-        context = ShardView.root(params, layout, comm, device)
+        # The transform's init may look at the params' shapes (masks), not at their values: the
+        # context, which the engine keeps, holds no copy of them.
+        context = ShardView.root(optree.tree_map(lambda x: torch.zeros((), dtype=x.dtype, device=device).expand(x.shape),
+                                                 params), layout, comm, device)
         state = fresh_state(self.tx, context, to_state_device(shard, state_device))
         state = self.stored(state, first_params)
         # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
@@ -127,6 +139,7 @@ class Engine:
                            state.tx_state)
         if self._bound is None:
             self._bound = bound
+            self._context = context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "
@@ -165,9 +178,7 @@ class Engine:
         b = self._ready()
         layout, device = b.grads.layout, b.grads.device
         master = to_state_device(torch.zeros(layout.shard_numel, device=device), b.state_device)
-        # the transform's init may look at the params' shapes (masks); values are not needed
-        like = layout.treespec.unflatten([torch.zeros((), device=device).expand(s) for s in layout.shapes])
-        return fresh_state(self.tx, ShardView.root(like, layout, self.comm, device), master), self.loss_scale.init(device)
+        return fresh_state(self.tx, self._context, master), self.loss_scale.init(device)
 
     # ------------------------------------------------------------------ the master's storage
     def with_fp32_master(self, params: Any, state: ZeroState, *, where: str = "engine.with_fp32_master") -> ZeroState:

@@ -399,7 +399,7 @@ MOMENTS = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}
 
 def moments_view(engine, state, ss):
     """``global_view`` of the state as a checkpoint holds it (8-bit moments dequantized)."""
-    return global_view(engine, saved_form(state), ss)
+    return global_view(engine, saved_form(state, engine.shard_context), ss)
 
 
 def check_loaded_moments(engine, state, saved_view, rank):

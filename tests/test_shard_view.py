@@ -202,12 +202,47 @@ def test_engine_at_world_size_1_is_the_plain_transform_bit_for_bit():
     assert state.tx_state.inner_states["adamw"][0].mu.shape == (104 + 104 + 2 * 24,)
 
 
-def test_checkpoints_refuse_grouped_state_before_writing(tmp_path):
+def train(engine, params, state, ss, steps, first=0):
+    for i in range(first, first + steps):
+        params, state, ss, _ = engine.step(params, grads_at(i), state, ss)  # the same grads on every rank
+    return params, state, ss
+
+
+def save_after(path, steps, **engine_kw):
+    """Train ``steps`` steps from the start and save; the params then (on every rank)."""
+    engine = fzero.zero1(muon_adamw(), param_dtype=torch.float32, loss_scale=None, **engine_kw)
+    params, state, ss = train(engine, *engine.init(model()), steps)
+    fzero.checkpoint.save(path, params, state, ss, engine, extra={"step": steps})
+    return [x.clone() for x in optree.tree_leaves(params)]
+
+
+def load_and_train(path, first, steps, **engine_kw):
+    engine = fzero.zero1(muon_adamw(), param_dtype=torch.float32, loss_scale=None, **engine_kw)
+    engine.init(model(seed=1))  # other values: all of them come from the checkpoint
+    params, state, ss, _ = fzero.checkpoint.load(path, engine)
+    params, state, ss = train(engine, params, state, ss, steps, first)
+    return [x.clone() for x in optree.tree_leaves(params)]
+
+
+def test_a_checkpoint_of_grouped_state_resumes_bit_for_bit_in_another_layout(tmp_path):
+    """Muon's momentum and AdamW's moments, each over its group's elements only, saved and
+    loaded into another alignment and bucketing: 5 + 5 steps give the 10-step run's bits."""
     engine = fzero.zero1(muon_adamw(), param_dtype=torch.float32, loss_scale=None)
-    params, state, ss = engine.init(model())
-    with pytest.raises(fzero.checkpoint.CheckpointError, match="per group of leaves"):
-        fzero.checkpoint.save(tmp_path / "ckpt", params, state, ss, engine)
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    want = [x.clone() for x in optree.tree_leaves(train(engine, *engine.init(model()), 10)[0])]
+    save_after(tmp_path / "ckpt", 5)
+    got = load_and_train(tmp_path / "ckpt", 5, 5, alignment=8, bucket_bytes=900)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_export_full_writes_each_groups_moments_zero_outside_the_group(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    engine = fzero.zero1(muon_adamw(), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = train(engine, *engine.init(model()), 2)
+    fzero.checkpoint.export_full(tmp_path / "full.safetensors", state, engine, moments=True)
+    out = safetensors.load_file(tmp_path / "full.safetensors")
+    momentum = {k.split("momentum_buffer/")[1]: v for k, v in out.items() if "momentum_buffer/" in k}
+    for path, tag in zip(fzero.flat.leaf_paths(model())[0], optree.tree_leaves(labels(model()))):
+        assert (momentum[path].abs().sum() > 0) == (tag == "muon"), path
 
 
 @contextlib.contextmanager
@@ -241,6 +276,24 @@ def train_on_ranks(rank, world_size, mesh, param_dtype, kw):
                          for k in range(1, world_size))]
     return {"params": [x.clone() for x in optree.tree_leaves(params)], "calls": len(calls),
             "straddling": straddling, "S": layout.shard_numel}
+
+
+def save_on_ranks(rank, world_size, path):
+    return save_after(path, 5)
+
+
+def load_on_ranks(rank, world_size, path):
+    return load_and_train(path, 5, 5)
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_of_grouped_state_saved_at_2_ranks_continues_at_1_and_4_bit_for_bit(tmp_path):
+    engine = fzero.zero1(muon_adamw(), param_dtype=torch.float32, loss_scale=None)
+    want = [x.clone() for x in optree.tree_leaves(train(engine, *engine.init(model()), 10)[0])]
+    path = str(tmp_path / "ckpt")
+    run_ranks(save_on_ranks, 2, path)
+    for got in [load_and_train(path, 5, 5), *run_ranks(load_on_ranks, 4, path)]:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.multirank

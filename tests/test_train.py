@@ -251,7 +251,6 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--mesh", "2"], 2, "--mesh 2 must be two positive integers R,S"),
     (["--keep-master", "remainder"], 1, "--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, got --dtype fp16"),
     (["--optimizer", "muon", "--model", "mlp"], 1, "--optimizer muon trains the GPT's blocks' matrices with Muon: it needs --model gpt"),
-    (["--optimizer", "muon", "--save-every", "5"], 1, "--save-every: checkpoints of Muon's state are not supported yet"),
     (["--optimizer", "muon", "--moments", "int8"], 1, "--moments int8 keeps AdamW's moments in blocks of 256 elements"),
     # flags that fix the model and its optimizer state, against the checkpoint's (RESUMABLE)
     (["--resume", "{ckpt}", "--dtype", "fp16"], 1,

@@ -88,8 +88,8 @@ def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tupl
     # the one place the params are used (checked as step checks them); master="remainder":
     # the FP32 master joined from this rank's shard of them and the remainder
     # (params edited since the step, or of another step with the remainder, raise here)
-    manifest.check_transform(engine, "checkpoint.save")
-    names, leaves, _ = leaf_paths(saved_form(engine.with_fp32_master(params, state, where="checkpoint.save")))
+    names, leaves, _ = leaf_paths(saved_form(engine.with_fp32_master(params, state, where="checkpoint.save"),
+                                            engine.shard_context))
     kinds = manifest.classify(names, leaves, engine.layout.shard_numel)
     return names, leaves, kinds, manifest.extra_json(extra)
 
@@ -188,7 +188,6 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     """
     if hyperparams not in HYPERPARAMS_FROM:
         raise ValueError(f"hyperparams must be one of {HYPERPARAMS_FROM}, got {hyperparams!r}")
-    manifest.check_transform(engine, "checkpoint.load")
     need_safetensors()
     layout, comm = ready(engine)
     comm.arrive("checkpoint.load", timeout=engine.call_timeout)
@@ -213,7 +212,8 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
         warnings.warn(f"load {path}: the optimizer's configuration (hyperparameters, masks) differs from the "
                       f"checkpoint's; the engine's takes effect (load(..., hyperparams=\"checkpoint\") restores the "
                       f"saved one): {'; '.join(items)}", stacklevel=2)
-    state = engine_form(t.spec.unflatten(leaves), t.engine_state)  # 8-bit moments quantized into this layout's blocks
+    # 8-bit moments quantized into this layout's blocks, partition groups compacted into its shards
+    state = engine_form(t.spec.unflatten(leaves), t.engine_state, engine.shard_context)
     with torch.no_grad():
         shard = cast_params(state.master, engine.param_dtype, copy=True).to(engine.device)
         params = unflatten(comm.all_gather(shard, layout), layout)

@@ -11,7 +11,7 @@ import torch
 
 from ..engine import Engine, ZeroState
 from ..flat import Layout, leaf_paths, unflatten
-from . import commit, manifest
+from . import commit
 from .collective import agree, ready
 from .form import saved_form
 from .strict_json import CheckpointError, dtype_name
@@ -73,9 +73,8 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
         leaves = optree.tree_leaves(_gathered(master, engine))
         kind = "master"
         if moments:
-            manifest.check_transform(engine, "checkpoint.export_full(moments=True)")
             kind = "master+moments"
-            names, shards, _ = leaf_paths(saved_form(params_or_state.tx_state))
+            names, shards, _ = leaf_paths(saved_form(params_or_state.tx_state, engine.shard_context))
             for name, shard in zip(names, shards):
                 if shard.is_floating_point() and shard.shape == (layout.shard_numel,):
                     leaves += [x.float() for x in optree.tree_leaves(_gathered(shard, engine))]

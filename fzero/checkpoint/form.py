@@ -9,6 +9,11 @@ stored as FP32, BF16 or 8 bits therefore load into an engine that stores them in
 three: the loaded moments are the saved ones as FP32, then stored as the engine stores them
 (BF16: rounded to nearest; 8 bits: quantized; ``quantize`` of a dequantized moment gives back
 its codes and scales, so a resume at the same world size and dtype is exact).
+
+A ``partition``'s state holds each group's elements of the shard only, compacted: a checkpoint
+stores each such leaf spread over the whole shard, zero outside its group, so that it too maps
+to global coordinates (``fzero.shard_view.ungrouped``), and a load takes each group's elements
+back out of it in the loading engine's layout (``regrouped``).
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import optree
 import torch
 
 from fzero.transforms.quantize import Quantized, dequantize, quantize
+
+from ..shard_view import ShardView, regrouped, ungrouped
 
 __all__ = ["saved_form", "engine_form", "converts"]
 
@@ -36,18 +43,21 @@ def _is_quantized(x: Any) -> bool:
     return isinstance(x, Quantized)
 
 
-def saved_form(state: Any) -> Any:
-    """``state`` with every ``Quantized`` moment dequantized to FP32 (other leaves as they are,
-    the same tensors)."""
-    return optree.tree_map(lambda x: dequantize(x) if _is_quantized(x) else x, state, is_leaf=_is_quantized)
+def saved_form(state: Any, view: ShardView) -> Any:
+    """``state`` with every ``Quantized`` moment dequantized to FP32 and every leaf of a
+    ``partition`` group spread over the shard (``shard_view.ungrouped``: zero outside the
+    group); ``view``: the engine's ``shard_context``. Other leaves as they are, the same tensors."""
+    plain = optree.tree_map(lambda x: dequantize(x) if _is_quantized(x) else x, state, is_leaf=_is_quantized)
+    return ungrouped(plain, view)
 
 
-def engine_form(saved: Any, like: Any) -> Any:
-    """The inverse for an engine whose fresh state is ``like``: each FP32 leaf where ``like``
-    has a ``Quantized`` moment quantized on that moment's map; every other leaf as it is."""
+def engine_form(saved: Any, like: Any, view: ShardView) -> Any:
+    """The inverse for an engine whose fresh state is ``like``: each group's leaves taken back to
+    the group's elements, then each FP32 leaf where ``like`` has a ``Quantized`` moment quantized
+    on that moment's map; every other leaf as it is."""
     def back(template, value):
         if _is_quantized(template):
             return quantize(value, signed=template.codes.dtype == torch.int8)
         return value
 
-    return optree.tree_map(back, like, saved, is_leaf=_is_quantized)
+    return optree.tree_map(back, like, regrouped(saved, like, view), is_leaf=_is_quantized)

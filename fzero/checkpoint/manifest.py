@@ -42,7 +42,7 @@ from ..flat import Layout
 from ..scaler import LossScaleState
 from .strict_json import DTYPES, VERSION, CheckpointError, Fields, check_header, dtype_name, json_value, non_finite
 
-__all__ = ["FORMAT", "MANIFEST", "SHA256", "check_transform", "classify", "extra_json", "build_manifest", "validate_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "SHA256", "classify", "extra_json", "build_manifest", "validate_manifest"]
 
 FORMAT = "fzero-checkpoint"  # the manifest's and the pointer's "format"
 MANIFEST = "manifest.json"  # its name in a snapshot directory
@@ -53,16 +53,6 @@ _INT32_MAX = torch.iinfo(torch.int32).max
 
 
 # ---------------------------------------------------------------------------------- building
-def check_transform(engine, where: str) -> None:
-    """Checkpoints map every ``[S]`` state leaf to the params' global vector; a transform whose
-    state is kept per group of leaves (``transforms.partition``: each group's elements of the
-    shard compacted) has no such map yet: refuse it before anything is written or read."""
-    if engine.tx.needs_context:
-        raise CheckpointError(
-            f"{where}: the transform keeps state per group of leaves (transforms.partition, transforms.muon), "
-            "which checkpoints do not store yet (docs/muon.md); only transforms with [S] shards and 0-d leaves")
-
-
 def classify(names, leaves, shard_numel: int) -> list[str]:
     """The kind of each state leaf: ``"shard"`` (``[S]``) or ``"scalar"`` (0-d); nothing else
     can be stored."""
