@@ -346,3 +346,22 @@ def test_eager_on_a_large_cpu_shard_compiles_the_update_and_gives_the_same_param
             assert torch.equal(got, w), path
         else:
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7, msg=path)
+
+
+def test_an_overflow_skips_muon_and_adamw_alike_leaving_every_bit():
+    """FP16 params, a dynamic loss scale: a step whose grads hold an inf keeps the params and
+    every state leaf of both groups (Newton-Schulz of the non-finite momentum is computed and
+    dropped), and halves the scale; the next finite step updates both groups."""
+    engine = fzero.zero1(muon_adamw(), param_dtype=torch.float16)
+    params, state, ss = engine.init(model())
+    params, state, ss, _ = engine.step(params, optree.tree_map(lambda g: g.half(), grads_at(0)), state, ss)
+    before = [x.clone() for x in optree.tree_leaves((params, state))]
+    bad = optree.tree_map(lambda g: g.half(), grads_at(1))
+    bad["blocks"][0]["w"][1, 2] = float("inf")
+    params, state, ss2, info = engine.step(params, bad, state, ss)
+    assert bool(info["found_inf"]) and ss2.scale.item() == ss.scale.item() / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves((params, state))))
+    params, state, _, info = engine.step(params, optree.tree_map(lambda g: g.half(), grads_at(1)), state, ss2)
+    assert not bool(info["found_inf"])
+    moved = [not torch.equal(a, b) for a, b in zip(before, optree.tree_leaves(params))]
+    assert all(moved)
