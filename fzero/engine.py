@@ -139,7 +139,7 @@ class Engine:
                            state.tx_state)
         if self._bound is None:
             self._bound = bound
-            self._context = context
+            self._context = context.prepare() if self.tx.needs_context else context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "

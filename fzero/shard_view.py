@@ -122,9 +122,6 @@ class ShardView(ShardContext):
         members = set(leaves)
         self.segments = () if parent is None else tuple(_segments(
             [(r.shard_at, r.shard_at + r.length) for r in parent.runs if r.leaf in members]))
-        # Now, eagerly (engine.init, partition's init): worked out inside a compiled step, the
-        # plan would be traced once as missing and once more as present.
-        self._plan = self._whole_plan()
 
     @classmethod
     def root(cls, tree: Any, layout: Layout, comm, device: torch.device) -> "ShardView":
@@ -195,6 +192,17 @@ class ShardView(ShardContext):
             return self._join(pieces, values)
 
         return Split(parts, take, join)
+
+    def prepare(self) -> "ShardView":
+        """Work out now, eagerly, ``whole``'s plan for this view and every group split from it
+        (``engine.init`` calls it for a transform that ``needs_context``, after the transform's
+        ``init`` made its splits): worked out inside a compiled step instead, a plan would be
+        traced once as missing and once more as present (a recompile). Returns the view."""
+        self._whole_plan()
+        for split in self._splits.values():
+            for part in split.parts.values():
+                part.prepare()
+        return self
 
     def only_split(self) -> Split:
         """The one ``Split`` made of this view (a ``partition``'s); ``ValueError`` for none or
