@@ -105,3 +105,14 @@ def rows_of_ranks(script: str, argv: list[str], world: int, env: dict | None = N
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": threads, **(env or {})})
         with open(out) as f:
             return json.load(f)
+
+
+def profile_table(run, rows: int) -> str:
+    """``torch.profiler``'s table of the ``rows`` ops with the most self CPU time in ``run()``
+    (inductor's CPU kernels are named when ``torch._inductor.config.cpp.enable_kernel_profile``
+    was set before they compiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)

@@ -50,7 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # the main job's modules: recipe.py
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import hardware, rows_of_ranks, sample_times, table  # noqa: E402
+from common import hardware, profile_table, rows_of_ranks, sample_times, table  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from recipe import make_train_step, overlapped_train_step  # noqa: E402
 
@@ -190,16 +190,6 @@ def fresh_mib(run) -> float:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     run()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize() / 2**20
-
-
-def profile_table(run, rows: int) -> str:
-    """``torch.profiler``'s table of the ``rows`` ops with the most self CPU time in ``run()``
-    (inductor's kernels named, see ``--profile``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
 
 
 def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:

@@ -45,7 +45,7 @@ from fzero.comm.collectives import FUNCTIONAL  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from fzero.shard_view import assign  # noqa: E402
 from fzero.transforms.muon import newton_schulz  # noqa: E402
-from common import hardware, rows_of_ranks, sample_times, sync, table  # noqa: E402
+from common import hardware, profile_table, rows_of_ranks, sample_times, sync, table  # noqa: E402
 
 CONFIGS = {"nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),
            "small": lambda: gpt.GPTConfig.small(97),
@@ -150,6 +150,11 @@ def measure(args, world: int, rank: int, dev) -> list[dict]:
             "adamw_wire_mb": sum(bytes_of["adamw"].values()) / 1e6, "muon_wire_mb": sum(bytes_of["muon"].values()) / 1e6,
             "ns_mine_ms": newton_schulz_ms([s for s, o in zip(matrices, owner) if o == rank], dev, args.rounds),
             "ns_all_ms": newton_schulz_ms(matrices, dev, args.rounds)})
+        if args.profile:  # every rank steps (the collectives), rank 0 prints
+            for name, step in (("adamw", adamw[i]), ("muon", muon[i])):
+                found = profile_table(lambda: [step() for _ in range(3)], args.profile)
+                if rank == 0:
+                    print(f"\n{name}, {mode}, {world} rank(s), rank 0: ops by self CPU time over 3 steps\n{found}")
     return rows
 
 
@@ -163,10 +168,15 @@ def main(argv=None):
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 2], help="world sizes: %(default)s")
     ap.add_argument("--rounds", type=int, default=9, help="alternating rounds (default: %(default)s)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="after the timing, print rank 0's top ROWS ops by self CPU time over 3 steps of each "
+                         "(torch.profiler; inductor's CPU kernels named)")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
+    if args.profile:  # before anything compiles: each generated CPU kernel shows as an op of its own
+        torch._inductor.config.cpp.enable_kernel_profile = True
     if args.child_out:  # a rank under torchrun
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
         if cuda:
