@@ -31,11 +31,10 @@ import optree
 import torch
 
 from fzero.transforms import ShardContext, Split
-from fzero.transforms.partition import PartitionState
 
 from .flat import Layout, concat, per_leaf_shard
 
-__all__ = ["Run", "ShardView", "leaf_runs", "assign", "bind", "ungrouped", "regrouped"]
+__all__ = ["Run", "ShardView", "leaf_runs", "assign", "bind"]
 
 
 class Run(NamedTuple):
@@ -358,54 +357,3 @@ def bind(tx, context: ShardContext):
         return tx.update(updates, state, params, context=context, **extra)
 
     return tx._replace(update=update)
-
-
-# ---------------------------------------------------------------------- checkpoints
-def _is_partition(x) -> bool:
-    return isinstance(x, PartitionState)
-
-
-def ungrouped(state: Any, view: ShardView) -> Any:
-    """``state`` (a transform state ``init`` built on ``view``, or a tree holding one) with every
-    1-D leaf of a ``partition`` group spread over ``view``'s tensor, zero outside the group: the
-    ``[S]`` leaves a checkpoint maps to global coordinates. Other leaves are returned as they are."""
-    def walk(node, v):
-        if not _is_partition(node):
-            return node
-        split = v.only_split()
-        inner = {}
-        for k, s in node.inner_states.items():
-            if k not in split.parts:  # a label no leaf has: a state of no leaves
-                inner[k] = s
-                continue
-            spread = lambda x: split.join({j: x if j == k else x.new_zeros(p.numel) for j, p in split.parts.items()})  # noqa: E731
-            inner[k] = optree.tree_map(lambda x: spread(x) if x.ndim == 1 else x, _walk(s, split.parts[k], walk))
-        return PartitionState(inner)
-
-    return _walk(state, view, walk)
-
-
-def regrouped(saved: Any, like: Any, view: ShardView) -> Any:
-    """The inverse of ``ungrouped`` for the state ``like`` (a fresh one, of the same structure):
-    each group's 1-D leaves of ``saved``, over ``view``'s tensor, taken back to the group's."""
-    def walk(node, template, v):
-        if not _is_partition(template):
-            return node
-        split = v.only_split()
-        inner = {}
-        for k, s in node.inner_states.items():
-            if k not in split.parts:
-                inner[k] = s
-                continue
-            part = split.parts[k]
-            taken = optree.tree_map(lambda x: part.take_from_parent(x) if x.ndim == 1 else x, s)
-            inner[k] = optree.tree_map(lambda a, b: walk(a, b, part), taken, template.inner_states[k],
-                                       is_leaf=_is_partition)
-        return PartitionState(inner)
-
-    return optree.tree_map(lambda a, b: walk(a, b, view), saved, like, is_leaf=_is_partition)
-
-
-def _walk(tree: Any, view: ShardView, walk) -> Any:
-    """``walk(node, view)`` on every ``PartitionState`` node of ``tree`` and every other leaf."""
-    return optree.tree_map(lambda node: walk(node, view), tree, is_leaf=_is_partition)

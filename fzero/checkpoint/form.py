@@ -12,7 +12,7 @@ its codes and scales, so a resume at the same world size and dtype is exact).
 
 A ``partition``'s state holds each group's elements of the shard only, compacted: a checkpoint
 stores each such leaf spread over the whole shard, zero outside its group, so that it too maps
-to global coordinates (``fzero.shard_view.ungrouped``), and a load takes each group's elements
+to global coordinates (``ungrouped``), and a load takes each group's elements
 back out of it in the loading engine's layout (``regrouped``).
 """
 from __future__ import annotations
@@ -24,9 +24,11 @@ import torch
 
 from fzero.transforms.quantize import Quantized, dequantize, quantize
 
-from ..shard_view import ShardView, regrouped, ungrouped
+from fzero.transforms.partition import PartitionState
 
-__all__ = ["saved_form", "engine_form", "converts"]
+from ..shard_view import ShardView
+
+__all__ = ["saved_form", "engine_form", "converts", "ungrouped", "regrouped"]
 
 # shard leaves a load converts between (the moment dtypes a checkpoint may hold): a saved
 # leaf of one loads into an engine leaf of another
@@ -46,7 +48,7 @@ def _is_quantized(x: Any) -> bool:
 def saved_form(state: Any, view: ShardView) -> Any:
     """``state`` with every ``Quantized`` moment dequantized to FP32 and every leaf of a
     ``partition`` group spread over the shard (``shard_view.ungrouped``: zero outside the
-    group); ``view``: the engine's ``shard_context``. Other leaves as they are, the same tensors."""
+    group: ``ungrouped``); ``view``: the engine's ``shard_context``. Other leaves as they are, the same tensors."""
     plain = optree.tree_map(lambda x: dequantize(x) if _is_quantized(x) else x, state, is_leaf=_is_quantized)
     return ungrouped(plain, view)
 
@@ -61,3 +63,54 @@ def engine_form(saved: Any, like: Any, view: ShardView) -> Any:
         return value
 
     return optree.tree_map(back, like, regrouped(saved, like, view), is_leaf=_is_quantized)
+
+
+def _is_partition(x) -> bool:
+    return isinstance(x, PartitionState)
+
+
+def ungrouped(state: Any, view: ShardView) -> Any:
+    """``state`` (a transform state ``init`` built on ``view``, or a tree holding one) with every
+    1-D leaf of a ``partition`` group spread over ``view``'s tensor, zero outside the group: the
+    ``[S]`` leaves a checkpoint maps to global coordinates. Other leaves are returned as they are.
+    A ``partition`` inside a group is spread the same way, level by level."""
+    def walk(node, v):
+        if not _is_partition(node):
+            return node
+        split = v.only_split()
+        inner = {}
+        for k, s in node.inner_states.items():
+            if k not in split.parts:  # a label no leaf has: a state of no leaves
+                inner[k] = s
+                continue
+            spread = lambda x: split.join({j: x if j == k else x.new_zeros(p.numel) for j, p in split.parts.items()})  # noqa: E731
+            inner[k] = optree.tree_map(lambda x: spread(x) if x.ndim == 1 else x, _walk(s, split.parts[k], walk))
+        return PartitionState(inner)
+
+    return _walk(state, view, walk)
+
+
+def regrouped(saved: Any, like: Any, view: ShardView) -> Any:
+    """The inverse of ``ungrouped`` for the state ``like`` (a fresh one, of the same structure):
+    each group's 1-D leaves of ``saved``, over ``view``'s tensor, taken back to the group's."""
+    def walk(node, template, v):
+        if not _is_partition(template):
+            return node
+        split = v.only_split()
+        inner = {}
+        for k, s in node.inner_states.items():
+            if k not in split.parts:
+                inner[k] = s
+                continue
+            part = split.parts[k]
+            taken = optree.tree_map(lambda x: part.take_from_parent(x) if x.ndim == 1 else x, s)
+            inner[k] = optree.tree_map(lambda a, b: walk(a, b, part), taken, template.inner_states[k],
+                                       is_leaf=_is_partition)
+        return PartitionState(inner)
+
+    return optree.tree_map(lambda a, b: walk(a, b, view), saved, like, is_leaf=_is_partition)
+
+
+def _walk(tree: Any, view: ShardView, walk) -> Any:
+    """``walk(node, view)`` on every ``PartitionState`` node of ``tree`` and every other leaf."""
+    return optree.tree_map(lambda node: walk(node, view), tree, is_leaf=_is_partition)
