@@ -23,7 +23,8 @@ ZeRO-1 4P + 12P/N, hybrid 4P + 12P/S. ``--muon F``: the ZeRO-1 schemes again wit
 ``partition(muon, adamw)`` on a fraction F of the params in Muon's matrices: each step adds two
 all-to-alls in the shard group (``fzero.shard_view``), each rank sending its shard's share of the
 matrices, F P / N elements, out in BF16 and back in FP32 (6 B per element), and Muon keeps 4 B of
-state per matrix element where AdamW keeps 8: 4P + (12 - 4F) P/N. ``--measure`` also runs fzero as rank 0 of the simulated
+state per matrix element where AdamW keeps 8: 4P + (12 - 4F) P/N on average over the ranks (a rank
+whose shard holds AdamW's elements only still keeps 12P/N: ``benchmarks/memory.py``). ``--measure`` also runs fzero as rank 0 of the simulated
 mesh (``zero1(simulate=(0, S, R))``: the real buffers, no process group) and reports the bytes it
 holds after one step, as ``benchmarks/memory.py`` does for N.
 

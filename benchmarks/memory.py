@@ -23,7 +23,10 @@ shard is the master, no second copy): 8P/N.
 
 A second table gives the optimizer state per element of the shard with AdamW's moments stored
 in FP32, BF16 or 8 bits (``transforms.adamw(mu_dtype=..., nu_dtype=...)``), with the FP32 master
-and with the remainder, at ``--moment-world-sizes`` (8 and 64).
+and with the remainder, and with Muon on ``--muon-fraction`` of the params (``partition``: one FP32
+momentum per Muon element, AdamW's two moments on the rest: 12 - 4F on average over the ranks,
+from 8 on a rank whose shard holds Muon's elements only to 12 on one that holds AdamW's only; the
+first and the last rank), at ``--moment-world-sizes`` (8 and 64).
 """
 from __future__ import annotations
 
@@ -117,6 +120,28 @@ def master_state(P: int, N: int, device: torch.device, param_dtype: torch.dtype,
     return out
 
 
+def muon_state(P: int, N: int, device: torch.device, fraction: float, rank: int, matrices: int = 12) -> float:
+    """Optimizer-state bytes per element of rank ``rank``'s shard of N (simulated), FP16 params,
+    FP32 master, ``partition`` of Muon on ``matrices`` square matrices holding ``fraction`` of P
+    and AdamW on 1-D leaves holding the rest: Muon keeps one FP32 buffer per element of its
+    group, AdamW two, each compacted to its group's elements of the shard (``fzero.shard_view``),
+    so a rank's bytes depend on which leaves its shard holds. After ``init``: the state a step
+    keeps is the same."""
+    d = int((fraction * P / matrices) ** 0.5)
+    rest = P - matrices * d * d
+    init_params = {"m": [torch.full((d, d), 0.01, dtype=torch.float16, device=device) for _ in range(matrices)],
+                   "v": [torch.full((rest // 4,), 0.01, dtype=torch.float16, device=device) for _ in range(4)]}
+    labels = {"m": ["muon"] * matrices, "v": ["adamw"] * 4}
+    tx = transforms.partition({"muon": transforms.muon(lr=1e-3), "adamw": transforms.adamw(lr=1e-4)}, labels)
+    engine = fzero.zero1(tx, param_dtype=torch.float16, simulate=(rank, N))
+    _, state, _ = engine.init(init_params)
+    del init_params
+    out = engine.state_bytes(state) / engine.layout.shard_numel
+    del state, engine
+    gc.collect()
+    return out
+
+
 # (name, param dtype, master, moments, goal: bytes of optimizer state per element of the shard)
 MOMENT_ROWS = [
     ("FP16 + FP32 master + FP32 moments", torch.float16, "fp32", None, "12"),
@@ -167,6 +192,8 @@ def main(argv=None):
     ap.add_argument("--max-gib", type=float, default=14.0, help="skip rows whose ZeRO-1 formula exceeds this")
     ap.add_argument("--offload-sizes", type=float, nargs="*", default=[],
                     help="also measure offload='cpu' at these sizes: device bytes and step time beside on-device")
+    ap.add_argument("--muon-fraction", type=float, default=0.68, metavar="F",
+                    help="the moment table's Muon row: Muon on F of the params (GPT-2 small: 0.68), 0 for none")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -205,6 +232,16 @@ def main(argv=None):
                 b = master_state(P, N, device, param_dtype, master, moments=moments, per_element=True)
                 results.append({"P": P, "N": N, "moments_row": name, "state_bytes_per_element": b})
                 moment_rows.append([f"{P / 1e6:.0f}M", N, name, f"{b:.4f}", goal])
+    for P in map(int, args.sizes):
+        for N in args.moment_world_sizes:
+            if formulas(P, N)["ZeRO-1"] / GB > args.max_gib or not args.muon_fraction:
+                continue
+            f = args.muon_fraction
+            first, last = (muon_state(P, N, device, f, r) for r in (0, N - 1))  # matrices first in the buffer
+            name = f"FP16 + FP32 master + Muon on {f:g} of P, AdamW on the rest"
+            results.append({"P": P, "N": N, "moments_row": name, "state_bytes_per_element": [first, last]})
+            moment_rows.append([f"{P / 1e6:.0f}M", N, name, f"{first:.4f} (rank 0), {last:.4f} (rank {N - 1})",
+                                f"mean over ranks 12 - 4F = {12 - 4 * f:.2f}; 8 to 12 by rank"])
     if moment_rows:
         print("\noptimizer state (master + moments + 0-d leaves) per element of the shard, rank 0 of N (simulated)\n")
         print(table(moment_rows, ["P", "N", "params + master + moments", "bytes / element", "goal"]))

@@ -35,7 +35,7 @@ from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
 from .shard_view import ShardView, bind
 from .storage import master_storage
-from .update import cast_params, write_into
+from .update import cast_params, compiled_update, write_into
 
 __all__ = ["ZeroState", "Accumulated", "Engine", "cast_params"]
 
@@ -80,6 +80,7 @@ class Engine:
         self._bound: Binding | None = None
         self._shard_tx = tx
         self._context: ShardView | None = None
+        self._compiled_update = compiled_update()  # the eager step's compiled update, if it is chosen
 
     @property
     def layout(self) -> Layout | None:
@@ -233,7 +234,8 @@ class Engine:
         checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self._shard_tx, state.tx_state, mode)
         out = stages.cast_target(params, path.layout, mode)
         master, tx_state, shard = stages.update(self._shard_tx, checked, state.master, state.tx_state,
-                                                param_dtype=self.param_dtype, mode=mode, out=out)
+                                                param_dtype=self.param_dtype, mode=mode, out=out,
+                                                compiled=self._compiled_update)
         new_params = stages.gather(path, shard, params, mode, cast_into_params=out is not None)
         scale, scaler_state = scaler_state.scale, self.loss_scale.update(scaler_state, checked.found_inf)
 

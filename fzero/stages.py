@@ -61,15 +61,16 @@ def norm_and_overflow(path: GradPath, reduced: Reduced, scale: torch.Tensor, tx,
 
 
 def update(tx, checked: Checked, master: torch.Tensor, tx_state: Any, *, param_dtype: torch.dtype, mode: StepMode,
-           out: torch.Tensor | None):
+           out: torch.Tensor | None, compiled):
     """Transform, skip if not finite, cast: ``(master, tx_state, params shard)`` on the FP32
     shard where the state lives (the host with offload: a blocking copy of the grads there),
     with the variant ``fzero.update.choose`` picks for this step. ``out``: the params' own
-    buffer to cast into (``mode.cast_into_params``), else ``None``."""
+    buffer to cast into (``mode.cast_into_params``), else ``None``; ``compiled``: the engine's
+    ``fzero.update.compiled_update()``, for a compiled variant."""
     skip, norm = checked.skip.to(mode.state_device), checked.norm.to(mode.state_device)
     variant, fused = choose(mode, tx, tx_state, checked.grads, skip, norm, master.numel())
     return variant(tx, fused, checked.grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=mode.chunk,
-                   donate=mode.donate, out=out)
+                   donate=mode.donate, out=out, compiled=compiled)
 
 
 def gather(path: GradPath, shard: torch.Tensor, params: Any, mode: StepMode, cast_into_params: bool) -> Any:

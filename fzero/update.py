@@ -11,6 +11,8 @@ inductor fuses the update into one loop, so it runs on the whole shard.
 """
 from __future__ import annotations
 
+import types
+
 from typing import Any, NamedTuple
 
 import optree
@@ -24,7 +26,7 @@ from .mode import StepMode, compiling
 from .remainder import round_bf16
 
 __all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole", "compiled_whole",
-           "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
+           "compiled_update", "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
 def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
@@ -64,8 +66,16 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype):
     return new_master, new_tx_state, cast_params(new_master, param_dtype)
 
 
-# ``_update`` under ``torch.compile`` for ``compiled_chunks`` (nothing compiles before its first call).
-_COMPILED_UPDATE = torch.compile(_update, fullgraph=True, dynamic=False)
+def compiled_update():
+    """``_update`` under ``torch.compile``, for ``compiled_chunks`` and ``compiled_whole``, with a
+    compile cache of its own: each engine makes one (nothing compiles before its first call).
+    Dynamo keeps compiled graphs, and its limit of recompiles (8), per code object, and a graph
+    is guarded on the chunk's shape and on what the transform holds: one ``_update`` shared by
+    every engine of a process failed (``fullgraph=True``) once their shards' shapes had made more
+    graphs than that. A copy of the code object per engine keeps each engine's few graphs apart."""
+    code = _update.__code__.replace()  # a new code object, the same code
+    fn = types.FunctionType(code, _update.__globals__, _update.__name__, _update.__defaults__, _update.__closure__)
+    return torch.compile(fn, fullgraph=True, dynamic=False)
 
 
 def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -198,16 +208,17 @@ class ShardGrads(NamedTuple):
 
 # The update variants (like torch.optim's _fused_adamw / _multi_tensor_adamw / _single_tensor_adamw)
 # share one signature: ``(tx, fused, grads, master, tx_state, skip, norm, *, param_dtype, chunk,
-# donate, out) -> (master, tx_state, params shard)``. ``fused``: the ``FusedStep`` the transform
+# donate, out, compiled) -> (master, tx_state, params shard)``. ``fused``: the ``FusedStep`` the transform
 # gave for this step (``fused_chunks`` only, else ``None``); ``grads``: ``ShardGrads``; ``skip`` 0-d bool (keep
 # every old value); ``norm`` the global grad norm (float64, for clipping); ``chunk``: elements per
 # chunk (``None``: the whole shard); ``donate``: write into the inputs' own buffers (else new
 # ones: the step stays pure); ``out``: an ``[S]`` ``param_dtype`` tensor to cast the params shard
-# into (else a new one). Results do not depend on the chunking, and the fused and generic
-# variants agree to float rounding.
+# into (else a new one); ``compiled``: the engine's ``compiled_update()``, which the compiled
+# variants run. Results do not depend on the chunking, and the fused and generic variants agree
+# to float rounding.
 
 def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk,
-                 donate, out):
+                 donate, out, compiled=None):
     """torch's fused kernel (one pass over master, grads and moments) chunk by chunk, in place on
     ``master`` and ``tx_state`` (or on copies of their ``[S]`` tensors), reading the grads a chunk
     at a time (``Segments.fp32``), each chunk cast into ``out`` right after."""
@@ -234,23 +245,28 @@ def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip
 
 
 def generic_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out,
-                  update=_update):
+                  compiled=None):
     """``tx.update`` on the whole shard at once (compiled: inductor fuses it into one loop)."""
+    return _whole(_update, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, out=out)
+
+
+def _whole(update, tx, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, out):
     master, tx_state, shard = update(tx, grads.mean(master.device), master, tx_state, skip, norm, param_dtype)
     return master, tx_state, shard if out is None else out.copy_(shard)
 
 
-def compiled_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
+def compiled_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out,
+                   compiled):
     """``generic_whole`` with the update compiled, for a transform that takes the whole shard
     (``needs_context``: ``partition``, Muon) eager on a large CPU shard: the groups' gathers and
     the elementwise math fused into a few loops instead of one eager pass per op (the small
     GPT's Muon + AdamW step on 2 ranks, ``benchmarks/muon.py``: see docs/muon.md). Compiled once
     per transform, at the first step, as ``compiled_chunks`` is."""
-    return generic_whole(tx, fused, grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=chunk,
-                         donate=donate, out=out, update=_COMPILED_UPDATE)
+    return _whole(compiled, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, out=out)
 
 
-def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
+def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out,
+                   compiled=None):
     """``tx.update`` chunk by chunk, written into full-size outputs (the inputs' own buffers with
     ``donate``): eager, each op's temporary stays cache-sized, the grads' mean included."""
     return _by_chunks(_update, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=chunk,
@@ -258,7 +274,7 @@ def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *
 
 
 def compiled_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate,
-                    out):
+                    out, compiled):
     """``generic_chunks`` with each chunk's update compiled by ``torch.compile`` (inductor: one
     loop per chunk instead of one eager op after another), for state torch's fused kernels
     cannot take: BF16 or 8-bit moments. Compiled once per chunk shape and transform: the first
@@ -267,7 +283,7 @@ def compiled_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
     chunking. The compiled update returns its chunk and the copy into the outputs is eager:
     copied inside the graph into slices of the outputs, inductor (torch 2.13, CPU) left some of
     them unwritten (``tests/test_update.py`` holds the results to the eager ones)."""
-    return _by_chunks(_COMPILED_UPDATE, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype,
+    return _by_chunks(compiled, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype,
                       chunk=chunk, donate=donate, out=out)
 
 

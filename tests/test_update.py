@@ -11,7 +11,7 @@ import fzero
 from fzero import transforms
 from fzero.grads import Reduced, Segments
 from fzero.mode import StepMode
-from fzero.update import (ShardGrads, cast_params, choose, compiled_chunks, fused_chunks, generic_chunks,
+from fzero.update import (ShardGrads, cast_params, choose, compiled_chunks, compiled_update, fused_chunks, generic_chunks,
                           generic_whole, sum_of_squares, write_into)
 from fzero.models import mlp
 from helpers import NewTensors, assert_compiled_state_close, grads_like, odd_params, tree_assert_close, tree_equal
@@ -40,7 +40,7 @@ def mode(**kw):
 def run(variant, fused, tx, master, tx_state, grads, *, chunk, donate=False, out=None):
     skip, norm = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64)
     return variant(tx, fused, grads, master, tx_state, skip, norm, param_dtype=torch.float16, chunk=chunk,
-                   donate=donate, out=out)
+                   donate=donate, out=out, compiled=compiled_update())
 
 
 def test_the_variants_share_one_signature_and_agree():
@@ -335,3 +335,23 @@ def test_fused_step_at_world_size_one_reads_the_grad_leaves_and_writes_the_param
         params2, state2, ss2, info2 = engine.step(params2, fzero.flatten(grads, engine.layout), state2, ss2)
     assert torch.equal(params2, engine.flat_params(params)) and tree_equal(state2, state)
     assert torch.equal(info2["grad_norm"], info["grad_norm"])
+
+
+@pytest.mark.slow
+def test_each_engine_compiles_its_chunks_apart_so_many_engines_never_hit_dynamos_recompile_limit(monkeypatch):
+    """Dynamo allows a code object a limited number of graphs (8; 2 here: one engine's two chunk
+    shapes), and the compiled chunk update is guarded on the transform's state: one compiled
+    ``_update`` shared by every engine made the second engine here (8-bit moments after BF16
+    ones) fail with ``fullgraph=True``, and by default one of the next few, as
+    ``benchmarks/memory.py``'s moment rows did. Each engine's ``compiled_update()`` is a copy of
+    the code with a cache of its own."""
+    monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", 512)
+    p0 = mlp.init(torch.Generator().manual_seed(0), (16, 64, 4))  # chunks of 256 and a last one
+    grads = optree.tree_map(lambda g: g.half(), grads_like(p0, 0))
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for moments in (torch.bfloat16, torch.int8, torch.bfloat16):
+            tx = transforms.adamw(lr=1e-2, mu_dtype=moments, nu_dtype=moments)
+            engine = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=None, chunk_numel=256)
+            params, state, ss = engine.init(p0)
+            _, new_state, _, _ = engine.step(params, grads, state, ss)
+            assert not tree_equal(new_state, state)  # it stepped
