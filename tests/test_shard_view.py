@@ -17,6 +17,7 @@ from fzero.comm import SimulatedComm
 from fzero.flat import make_layout, tree_shard
 from fzero.shard_view import ShardView, assign, leaf_runs
 from distributed import run_ranks
+from helpers import forbid_host_syncs
 
 STEPS = 50
 
@@ -365,3 +366,14 @@ def test_an_overflow_skips_muon_and_adamw_alike_leaving_every_bit():
     assert not bool(info["found_inf"])
     moved = [not torch.equal(a, b) for a, b in zip(before, optree.tree_leaves(params))]
     assert all(moved)
+
+
+def test_the_muon_and_adamw_step_makes_no_host_sync():
+    """Splits and whole-matrix plans are static Python worked out at init: the step converts
+    no tensor to a Python value (FP16 with a dynamic loss scale, the main job's setting)."""
+    engine = fzero.zero1(muon_adamw(), param_dtype=torch.float16)
+    params, state, ss = engine.init(model())
+    grads = optree.tree_map(lambda g: g.half(), grads_at(0))
+    with forbid_host_syncs():
+        for _ in range(2):
+            params, state, ss, _ = engine.step(params, grads, state, ss)
