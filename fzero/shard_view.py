@@ -254,13 +254,15 @@ class ShardView(ShardContext):
         if not plan.total:  # no element of these leaves on any rank
             return torch.zeros(self.numel, dtype=dtype, device=x.device)
         device = g.device
-        sent = concat([x[a:b] for a, b in plan.send]).to(device)  # my elements, grouped by the rank that computes them
+        # my elements, grouped by the rank that computes them (none: this rank holds none of them)
+        sent = concat([x[a:b] for a, b in plan.send] or [x[:0]]).to(device)
         got = g.comm.all_to_all(sent, plan.recv_sizes, plan.send_sizes)  # the pieces of the leaves I compute
         done = {leaf: fn(concat([got[a:b] for a, b in parts]).view(g.layout.shapes[leaf])).reshape(-1).to(dtype)
                 for leaf, parts in plan.gathers.items()}
         back = concat([done[leaf][a:b] for leaf, a, b in plan.back]) if plan.back else got.new_zeros(0, dtype=dtype)
         mine = g.comm.all_to_all(back, plan.send_sizes, plan.recv_sizes)  # my elements' results, as I sent them
-        out = concat([mine[a:b] if a is not None else torch.zeros(b, dtype=dtype, device=device) for a, b in plan.out])
+        out = concat([mine[a:b] if a is not None else torch.zeros(b, dtype=dtype, device=device) for a, b in plan.out]
+                     or [mine[:0]])
         return out.to(x.device)
 
     def _whole_plan(self) -> "_WholePlan":

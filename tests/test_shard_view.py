@@ -24,14 +24,16 @@ STEPS = 50
 
 def model(seed=0):
     """A small GPT's shapes: embeddings and head (AdamW), blocks of matrices (Muon) and biases
-    (AdamW), and a matrix smaller than any shard. At 2 and 4 ranks (alignment 64) shard edges
-    fall inside ``blocks/1/w`` and ``head``."""
+    (AdamW), a matrix smaller than any shard, and a long 1-D leaf last (AdamW). At 4 ranks
+    (alignment 64) shard edges fall inside ``blocks/0/v`` and ``blocks/1/w``, and the last rank
+    holds AdamW's elements only."""
     g = torch.Generator().manual_seed(seed)
     return {"embed": torch.randn(13, 8, generator=g),
             "blocks": [{"w": torch.randn(8, 24, generator=g), "b": torch.randn(24, generator=g),
                         "v": torch.randn(24, 8, generator=g)} for _ in range(2)],
             "small": torch.randn(3, 5, generator=g),
-            "head": torch.randn(8, 13, generator=g)}
+            "head": torch.randn(8, 13, generator=g),
+            "tail": torch.randn(400, generator=g)}
 
 
 def labels(p):
@@ -159,7 +161,7 @@ def test_a_groups_mask_is_its_part_of_the_shards_mask(world_size):
         got = sub.to_shard(is_matrix(sub.tree))
         want = split.take(view.to_shard(is_matrix(model())))["adamw"]
         assert got.dtype == torch.bool and torch.equal(got, want)
-        assert sorted(fzero.flat.leaf_paths(sub.tree)[0]) == ["blocks/0/b", "blocks/1/b", "embed", "head"]
+        assert sorted(fzero.flat.leaf_paths(sub.tree)[0]) == ["blocks/0/b", "blocks/1/b", "embed", "head", "tail"]
 
 
 def test_whole_applies_fn_to_each_leaf_whole_at_world_size_1():
@@ -200,7 +202,7 @@ def test_engine_at_world_size_1_is_the_plain_transform_bit_for_bit():
         assert torch.equal(got, w), path
     muon_state = state.tx_state.inner_states["muon"][0]
     assert muon_state.momentum_buffer.shape == (4 * 192 + 15,)  # the group's elements only
-    assert state.tx_state.inner_states["adamw"][0].mu.shape == (104 + 104 + 2 * 24,)
+    assert state.tx_state.inner_states["adamw"][0].mu.shape == (104 + 104 + 2 * 24 + 400,)
 
 
 def train(engine, params, state, ss, steps, first=0):
@@ -275,8 +277,9 @@ def train_on_ranks(rank, world_size, mesh, param_dtype, kw):
     straddling = [p for p, o, s in zip(layout.paths, layout.offsets, layout.shapes)
                   if any(o < b.start + k * b.shard < o + math.prod(s) for b in layout.buckets
                          for k in range(1, world_size))]
+    muon = engine.shard_context.only_split().parts["muon"].numel
     return {"params": [x.clone() for x in optree.tree_leaves(params)], "calls": len(calls),
-            "straddling": straddling, "S": layout.shard_numel}
+            "straddling": straddling, "S": layout.shard_numel, "muon_numel": muon}
 
 
 def save_on_ranks(rank, world_size, path):
@@ -299,10 +302,10 @@ def test_a_checkpoint_of_grouped_state_saved_at_2_ranks_continues_at_1_and_4_bit
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size,mesh,param_dtype,kw", [
-    (2, None, torch.float32, {}),
-    (4, None, torch.bfloat16, {"bucket_bytes": 600}),
+    (2, None, torch.float32, {"bucket_bytes": 2400}),
+    (4, None, torch.bfloat16, {}),
     (4, (2, 2), torch.float32, {}),
-], ids=["2-ranks-fp32", "4-ranks-bf16-buckets", "2x2-mesh-fp32"])
+], ids=["2-ranks-fp32-buckets", "4-ranks-bf16", "2x2-mesh-fp32"])
 def test_muon_and_adamw_on_shards_equal_one_process_bit_for_bit(world_size, mesh, param_dtype, kw):
     """Every rank is fed the same grads, so their mean is exact and the sharded run must give
     the one-process run's bits, with each matrix orthogonalized by one rank of the shard group
@@ -313,6 +316,8 @@ def test_muon_and_adamw_on_shards_equal_one_process_bit_for_bit(world_size, mesh
         for got, want in zip(r["params"], ref["params"]):
             assert torch.equal(got, want)
     assert out[0]["straddling"], "no matrix crosses a shard edge: the model does not test it"
+    if world_size == 4 and mesh is None:
+        assert out[-1]["muon_numel"] == 0  # a rank with no Muon element still takes part in the all-to-alls
     matrices = 5  # blocks/{0,1}/{w,v} and small
     assert ref["calls"] == matrices * STEPS
     shards = mesh[1] if mesh else world_size  # each replica's shard group divides the matrices among its ranks
