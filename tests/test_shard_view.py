@@ -25,7 +25,7 @@ STEPS = 50
 def model(seed=0):
     """A small GPT's shapes: embeddings and head (AdamW), blocks of matrices (Muon) and biases
     (AdamW), a matrix smaller than any shard, and a long 1-D leaf last (AdamW). At 4 ranks
-    (alignment 64) shard edges fall inside ``blocks/0/v`` and ``blocks/1/w``, and the last rank
+    (alignment 64) shard edges fall inside ``blocks/0/w`` and ``blocks/1/w``, and the last rank
     holds AdamW's elements only."""
     g = torch.Generator().manual_seed(seed)
     return {"embed": torch.randn(13, 8, generator=g),
