@@ -152,7 +152,7 @@ class ShardView(ShardContext):
             raise ValueError(f"a per-leaf setting of a group of {len(self.leaves)} leaves has {len(values)} values")
         mine = dict(zip(self.leaves, values))
         full = self.parent.tree_of([mine.get(i, False) for i in self.parent.leaves])
-        return self._take(self.parent.to_shard(full))
+        return self.take_from_parent(self.parent.to_shard(full))
 
     def tree_of(self, leaf_values: list) -> Any:
         """A pytree like ``tree`` with these values at its leaves, in leaf order."""
@@ -185,7 +185,7 @@ class ShardView(ShardContext):
         pieces = self._join_pieces(order)
 
         def take(x: torch.Tensor) -> dict:
-            return {k: v._take(x) for k, v in parts.items()}
+            return {k: v.take_from_parent(x) for k, v in parts.items()}
 
         def join(values: dict) -> torch.Tensor:
             return self._join(pieces, values)
@@ -213,10 +213,6 @@ class ShardView(ShardContext):
 
     def take_from_parent(self, x: torch.Tensor) -> torch.Tensor:
         """This view's tensor out of its parent's ``x``."""
-        return self._take(x)
-
-    def _take(self, x: torch.Tensor) -> torch.Tensor:
-        """This view's tensor out of its parent's ``x``."""
         if not self.segments:
             return x[:0]
         return concat([x[a:b] for a, b in self.segments])
@@ -229,14 +225,11 @@ class ShardView(ShardContext):
         for a, b, k, at in order:
             if a > pos:
                 pieces.append((None, 0, a - pos))
-            if pieces and pieces[-1][0] == k and pieces[-1][2] == at:
-                pieces[-1] = (k, pieces[-1][1], at + b - a)
-            else:
-                pieces.append((k, at, at + b - a))
+            pieces.append((k, at, at + b - a))
             pos = b
         if self.numel > pos:
             pieces.append((None, 0, self.numel - pos))
-        return pieces
+        return _merge_slices(pieces)
 
     @staticmethod
     def _join(pieces: list[tuple], values: dict) -> torch.Tensor:
@@ -326,7 +319,8 @@ class _WholePlan(NamedTuple):
 
 
 def _merge_slices(pieces: list[tuple]) -> list[tuple]:
-    """``(leaf, start, stop)`` slices with adjacent slices of one leaf merged."""
+    """``(key, start, stop)`` slices (of a leaf's result, of a group's tensor) with adjacent
+    slices of one key merged; ``(None, 0, n)`` zeros are never adjacent where it is used."""
     out: list[tuple] = []
     for leaf, a, b in pieces:
         if out and out[-1][0] == leaf and out[-1][2] == a:

@@ -261,7 +261,7 @@ def compiled_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *
     (``needs_context``: ``partition``, Muon) eager on a large CPU shard: the groups' gathers and
     the elementwise math fused into a few loops instead of one eager pass per op (the small
     GPT's Muon + AdamW step on 2 ranks, ``benchmarks/muon.py``: see docs/muon.md). Compiled once
-    per transform, at the first step, as ``compiled_chunks`` is."""
+    per engine (``compiled``), at the first step, as ``compiled_chunks`` is."""
     return _whole(compiled, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, out=out)
 
 
@@ -277,8 +277,8 @@ def compiled_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
                     out, compiled):
     """``generic_chunks`` with each chunk's update compiled by ``torch.compile`` (inductor: one
     loop per chunk instead of one eager op after another), for state torch's fused kernels
-    cannot take: BF16 or 8-bit moments. Compiled once per chunk shape and transform: the first
-    step pays for it, as torchao's ``AdamW8bit`` compiles its per-parameter step
+    cannot take: BF16 or 8-bit moments. Compiled once per chunk shape in each engine
+    (``compiled``): the first step pays for it, as torchao's ``AdamW8bit`` compiles its per-parameter step
     (``benchmarks/moments.py``). Chunks are whole blocks, so the results do not depend on the
     chunking. The compiled update returns its chunk and the copy into the outputs is eager:
     copied inside the graph into slices of the outputs, inductor (torch 2.13, CPU) left some of
@@ -329,16 +329,17 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops). A transform
     that ``needs_context`` takes the whole shard: ``generic_whole``, or on such a CPU shard
     ``compiled_whole``."""
-    eager_cpu = mode.chunk is not None and not mode.compiled and numel >= COMPILE_NUMEL
+    # eager on a large CPU shard, outside a dispatch mode (torch.compile does not run under one)
+    compile_it = (mode.chunk is not None and not mode.compiled and numel >= COMPILE_NUMEL
+                  and _get_current_dispatch_mode() is None)
     if tx.needs_context:  # the whole shard at once, never in chunks
-        return (compiled_whole if eager_cpu and _get_current_dispatch_mode() is None else generic_whole), None
+        return (compiled_whole if compile_it else generic_whole), None
     if mode.fused:
         fused = tx.fused(tx_state, grad_scale=grads.grad_scale.to(mode.state_device), found_inf=skip, grad_norm=norm)
         if fused is not None and fused.kernel is not None:
             return fused_chunks, fused
     if mode.chunk is None or mode.chunk >= numel:
         return generic_whole, None
-    if eager_cpu and _low_precision(tx_state, numel) and _get_current_dispatch_mode() is None:
-        # torch.compile does not run under a dispatch mode
+    if compile_it and _low_precision(tx_state, numel):
         return compiled_chunks, None
     return generic_chunks, None

@@ -379,6 +379,9 @@ def test_the_muon_and_adamw_step_makes_no_host_sync():
     engine = fzero.zero1(muon_adamw(), param_dtype=torch.float16)
     params, state, ss = engine.init(model())
     grads = optree.tree_map(lambda g: g.half(), grads_at(0))
+    before = [x.clone() for x in optree.tree_leaves(params)]
     with forbid_host_syncs():
         for _ in range(2):
-            params, state, ss, _ = engine.step(params, grads, state, ss)
+            params, state, ss, info = engine.step(params, grads, state, ss)
+    assert not bool(info["found_inf"])
+    assert all(not torch.equal(a, b) for a, b in zip(before, optree.tree_leaves(params)))  # both groups stepped

@@ -47,8 +47,8 @@ def _is_quantized(x: Any) -> bool:
 
 def saved_form(state: Any, view: ShardView) -> Any:
     """``state`` with every ``Quantized`` moment dequantized to FP32 and every leaf of a
-    ``partition`` group spread over the shard (``shard_view.ungrouped``: zero outside the
-    group: ``ungrouped``); ``view``: the engine's ``shard_context``. Other leaves as they are, the same tensors."""
+    ``partition`` group spread over the shard, zero outside the group (``ungrouped``); ``view``:
+    the engine's ``shard_context``. Other leaves as they are, the same tensors."""
     plain = optree.tree_map(lambda x: dequantize(x) if _is_quantized(x) else x, state, is_leaf=_is_quantized)
     return ungrouped(plain, view)
 
