@@ -14,6 +14,7 @@ from pathlib import Path
 import optree
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch._inductor.utils
 import torch.utils._python_dispatch
 
 import fzero
@@ -134,6 +135,16 @@ def assert_compiled_state_close(got, want):
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
+
+
+def compiled_buffers(fn, *args) -> tuple[object, list[tuple[int, str]]]:
+    """``fn(*args)`` (a first call of a ``torch.compile``d function) and the 1-d buffers that
+    inductor's generated code allocates for it, as ``(numel, dtype name)``: what a compiled step
+    holds besides its inputs and outputs' own buffers."""
+    out, codes = torch._inductor.utils.run_and_get_code(fn, *args)
+    assert codes, "inductor generated no code (was fn compiled, and compiled afresh?)"
+    found = re.findall(r"empty_strided\w*\(\((\d+), \), \(1, \), torch\.(\w+)\)", "\n".join(codes))
+    return out, [(int(n), dtype) for n, dtype in found]
 
 def tree_equal(a, b):
     return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))

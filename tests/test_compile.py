@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 import fzero
 from fzero import transforms
 from distributed import run_ranks
-from helpers import assert_compiled_state_close, forbid_host_syncs, grads_like, odd_params
+from helpers import assert_compiled_state_close, compiled_buffers, forbid_host_syncs, grads_like, odd_params
 
 
 def tx():
@@ -82,6 +82,20 @@ def test_compiled_step_with_8_bit_moments_equals_eager_and_never_recompiles():
     assert [bool(i["found_inf"]) for i in c[3]] == [False, False, True, False, False]
     torch.testing.assert_close(c[1].master, e[1].master, rtol=1e-6, atol=1e-7)
     assert_compiled_state_close(c[1].tx_state, e[1].tx_state)
+
+
+def test_compiled_step_with_8_bit_moments_holds_no_fp32_moments():
+    """The new FP32 moments are needed by two loops (each block's largest magnitude, then the
+    encode and the update): recomputed in the second, not stored in between (``scale_by_adam``).
+    A stored pair is two FP32 buffers of the shard's size, 8 B/elem more of memory, 16 of traffic."""
+    engine = fzero.zero1(transforms.adamw(lr=1e-2, mu_dtype=torch.int8, nu_dtype=torch.int8),
+                         param_dtype=torch.float16, loss_scale=fzero.DynamicLossScale(), donate=True)
+    params, state, ss = engine.init(odd_params())
+    grads = optree.tree_map(lambda p: torch.randn_like(p, dtype=torch.float32).half(), params)
+    _, buffers = compiled_buffers(torch.compile(engine.step, fullgraph=True), params, grads, state, ss)
+    S = engine.layout.shard_numel
+    assert (S, "float16") in buffers  # the probe sees the shard's buffers: the grads laid out
+    assert (S, "float32") not in buffers, buffers
 
 
 def compiled_vs_eager(rank, world_size):

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["BLOCK", "Quantized", "quantize", "dequantize", "zeros", "numel_blocks"]
+__all__ = ["BLOCK", "Quantized", "quantize", "dequantize", "block_scale", "zeros", "numel_blocks"]
 
 BLOCK = 256  # elements per scale: 4 B of scale per 256 B of codes, 1.016 bytes per element
 _SIGNED_LEVELS, _UNSIGNED_LEVELS = 127, 256
@@ -70,16 +70,24 @@ def zeros(like: torch.Tensor, *, signed: bool) -> Quantized:
     return Quantized(codes, torch.zeros(numel_blocks(like.numel()), dtype=torch.float32, device=like.device))
 
 
-def quantize(x: torch.Tensor, *, signed: bool) -> Quantized:
+def block_scale(x: torch.Tensor) -> torch.Tensor:
+    """Each block's largest magnitude of ``x``: FP32 ``[ceil(numel / BLOCK)]``, the scales
+    ``quantize(x)`` stores."""
+    return _blocks(x.float()).abs().amax(dim=1)
+
+
+def quantize(x: torch.Tensor, *, signed: bool, scale: torch.Tensor | None = None) -> Quantized:
     """``x`` (FP32; ``signed=False``: >= 0) in 8 bits with one scale per block (module doc).
     A non-finite element makes its block's scale non-finite (a skipped step never stores one).
+    ``scale``: ``block_scale(x)``, when the caller computed it from a second evaluation of
+    ``x`` (``scale_by_adam`` does under ``torch.compile``, to keep ``x`` out of memory).
 
     Each element is multiplied by its block's ``1 / scale`` instead of divided by ``scale``
     (a division per block, not per element: on a CPU the quantized update is bound by its
     divisions and square roots, ``benchmarks/moments.py``); a value at the scale may map to
     ``1 +- 2^-23``, which rounds to the top code all the same."""
     rows = _blocks(x.float())
-    scale = rows.abs().amax(dim=1)
+    scale = block_scale(x) if scale is None else scale
     # 0-blocks: multiply by 1 instead of 1/0 (their codes are 0 either way)
     y = rows * torch.where(scale > 0, scale, 1.0).reciprocal().unsqueeze(1)
     if signed:
