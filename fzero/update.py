@@ -26,7 +26,7 @@ from .mode import StepMode, compiling
 from .remainder import round_bf16
 
 __all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole", "compiled_whole",
-           "compiled_update", "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
+           "compiled_update", "CompiledUpdate", "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
 def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
@@ -66,16 +66,43 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype):
     return new_master, new_tx_state, cast_params(new_master, param_dtype)
 
 
-def compiled_update():
-    """``_update`` under ``torch.compile``, for ``compiled_chunks`` and ``compiled_whole``, with a
-    compile cache of its own: each engine makes one (nothing compiles before its first call).
-    Dynamo keeps compiled graphs, and its limit of recompiles (8), per code object, and a graph
-    is guarded on the chunk's shape and on what the transform holds: one ``_update`` shared by
-    every engine of a process failed (``fullgraph=True``) once their shards' shapes had made more
-    graphs than that. A copy of the code object per engine keeps each engine's few graphs apart."""
-    code = _update.__code__.replace()  # a new code object, the same code
-    fn = types.FunctionType(code, _update.__globals__, _update.__name__, _update.__defaults__, _update.__closure__)
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+def _update_into(tx, g, master, tx_state, skip, norm, param_dtype, outs):
+    """``_update`` of a chunk written into ``outs``, the chunk's slices of the full-size outputs
+    ``(master, tx_state, params shard)`` (with ``donate``, the very tensors given as ``master``
+    and ``tx_state``): returns the new state's 0-d leaves (``count``, ...), in order."""
+    new = _update(tx, g, master, tx_state, skip, norm, param_dtype)
+    scalars = []
+    for o, n in zip(optree.tree_leaves(outs), optree.tree_leaves(new)):
+        if o.ndim:
+            o.copy_(n)
+        else:
+            scalars.append(n)
+    return scalars
+
+
+class CompiledUpdate(NamedTuple):
+    """An engine's compiled updates: ``whole`` is ``_update`` (``compiled_whole``), ``into`` is
+    ``_update_into`` (``compiled_chunks``)."""
+
+    whole: Any
+    into: Any
+
+
+def _own_compile(fn):
+    """``fn`` under ``torch.compile`` with a compile cache of its own. Dynamo keeps compiled graphs,
+    and its limit of recompiles (8), per code object, and a graph is guarded on the chunk's shape
+    and on what the transform holds: one ``_update`` shared by every engine of a process failed
+    (``fullgraph=True``) once their shards' shapes had made more graphs than that. A copy of the
+    code object per engine keeps each engine's few graphs apart."""
+    code = fn.__code__.replace()  # a new code object, the same code
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, fullgraph=True, dynamic=False)
+
+
+def compiled_update() -> CompiledUpdate:
+    """The compiled updates for ``compiled_chunks`` and ``compiled_whole``: each engine makes its
+    own (nothing compiles before the first call)."""
+    return CompiledUpdate(_own_compile(_update), _own_compile(_update_into))
 
 
 def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -262,14 +289,14 @@ def compiled_whole(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *
     the elementwise math fused into a few loops instead of one eager pass per op (the small
     GPT's Muon + AdamW step on 2 ranks, ``benchmarks/muon.py``: see docs/muon.md). Compiled once
     per engine (``compiled``), at the first step, as ``compiled_chunks`` is."""
-    return _whole(compiled, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, out=out)
+    return _whole(compiled.whole, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, out=out)
 
 
 def generic_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out,
                    compiled=None):
     """``tx.update`` chunk by chunk, written into full-size outputs (the inputs' own buffers with
     ``donate``): eager, each op's temporary stays cache-sized, the grads' mean included."""
-    return _by_chunks(_update, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=chunk,
+    return _by_chunks(_update_into, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=chunk,
                       donate=donate, out=out)
 
 
@@ -280,31 +307,33 @@ def compiled_chunks(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
     cannot take: BF16 or 8-bit moments. Compiled once per chunk shape in each engine
     (``compiled``): the first step pays for it, as torchao's ``AdamW8bit`` compiles its per-parameter step
     (``benchmarks/moments.py``). Chunks are whole blocks, so the results do not depend on the
-    chunking. The compiled update returns its chunk and the copy into the outputs is eager:
-    copied inside the graph into slices of the outputs, inductor (torch 2.13, CPU) left some of
-    them unwritten (``tests/test_update.py`` holds the results to the eager ones)."""
-    return _by_chunks(compiled, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype,
+    chunking. The compiled update writes its results into the chunk's slices of the outputs,
+    which are cut outside the graph and passed in (``_update_into``): cut inside the graph,
+    inductor (torch 2.13, CPU) left some of them unwritten; returned and copied eagerly, the
+    eager 8-bit step measured 2.9x the FP32-moment one instead of 2.2x (``benchmarks/moments.py``;
+    ``tests/test_update.py`` holds the results to the eager ones, whatever the chunking)."""
+    return _by_chunks(compiled.into, tx, grads, master, tx_state, skip, norm, param_dtype=param_dtype,
                       chunk=chunk, donate=donate, out=out)
 
 
-def _by_chunks(update, tx, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate, out):
-    """``update`` (``_update`` or its compiled form) chunk by chunk, each result copied into
-    full-size outputs made before the first chunk: the inputs' own buffers with ``donate``."""
+def _by_chunks(update_into, tx, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate,
+               out):
+    """``update_into`` (``_update_into`` or its compiled form) chunk by chunk, into full-size
+    outputs made before the first chunk: the inputs' own buffers with ``donate`` (each chunk then
+    reads and writes the same slices, passed once)."""
     S, block, device = master.numel(), tx.block, master.device
     sized = lambda x: isinstance(x, torch.Tensor) and (x.shape == (S,) or _per_block(x, S, block))  # noqa: E731
     full = lambda x: (x if donate else torch.empty_like(x)) if sized(x) else x  # noqa: E731
     outs = (full(master), optree.tree_map(full, tx_state), torch.empty(S, dtype=param_dtype, device=device)
             if out is None else out)
-    new_state = tx_state
+    scalars = None
     for lo, hi in _chunks(S, chunk, block):
-        res = update(tx, grads.mean(device, lo, hi), master[lo:hi], _slices(tx_state, S, block, lo, hi), skip, norm,
-                     param_dtype)
-        for o, new in zip(optree.tree_leaves(_slices(outs, S, block, lo, hi)), optree.tree_leaves(res)):
-            if o.ndim and o.data_ptr() != new.data_ptr():  # the [S] and per-block tensors' chunk
-                o.copy_(new)
-        new_state = res[1]
+        sliced = _slices(outs, S, block, lo, hi)
+        master_in, state_in = sliced[:2] if donate else (master[lo:hi], _slices(tx_state, S, block, lo, hi))
+        scalars = update_into(tx, grads.mean(device, lo, hi), master_in, state_in, skip, norm, param_dtype, sliced)
     # the [S] and per-block tensors written, the 0-d leaves as the last chunk computed them
-    return outs[0], optree.tree_map(lambda o, n: o if sized(o) else n, outs[1], new_state), outs[2]
+    scalars = iter(scalars)
+    return outs[0], optree.tree_map(lambda o: o if sized(o) else next(scalars), outs[1]), outs[2]
 
 
 COMPILE_NUMEL = 2**20  # eager shards from this size up compile their update when it has no fused kernel
