@@ -136,7 +136,6 @@ def assert_compiled_state_close(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-
 def compiled_buffers(fn, *args) -> tuple[object, list[tuple[int, str]]]:
     """``fn(*args)`` (a first call of a ``torch.compile``d function) and the 1-d buffers that
     inductor's generated code allocates for it, as ``(numel, dtype name)``: what a compiled step
@@ -145,6 +144,7 @@ def compiled_buffers(fn, *args) -> tuple[object, list[tuple[int, str]]]:
     assert codes, "inductor generated no code (was fn compiled, and compiled afresh?)"
     found = re.findall(r"empty_strided\w*\(\((\d+), \), \(1, \), torch\.(\w+)\)", "\n".join(codes))
     return out, [(int(n), dtype) for n, dtype in found]
+
 
 def tree_equal(a, b):
     return all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
