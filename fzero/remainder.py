@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .mode import compiling
+
 __all__ = ["round_bf16", "split", "join", "MAX_JOINED"]
 
 _HALF = 0x8000
@@ -31,19 +33,58 @@ MAX_JOINED = torch.tensor(0x7F7F7FFF, dtype=torch.int32).view(torch.float32).ite
 
 # No shifts here: inductor's CPU code generator has no vector form of ``>>``/``<<`` (nor of
 # int16 values), and one such op turns the whole fused AdamW kernel it is part of into a scalar
-# loop. ``round_bf16``, the cast of every BF16 step, keeps to FP32/int32 adds and masks, which
-# vectorize (a scalar kernel measured 6x slower). ``split``/``join`` read and write the int16
-# remainder, so on a CPU their kernel stays scalar (docs/numerics.md has the numbers).
+# loop (a scalar kernel measured 6x slower). Nor has it one of reading FP32 bits as int32: each
+# lane goes through memory. So ``round_bf16``, the cast of every BF16 step, is FP32 arithmetic
+# when compiled for a CPU. ``split``/``join`` read and write the int16 remainder, so on a CPU
+# their kernel stays scalar (docs/numerics.md has the numbers).
 
 
 def round_bf16(master: torch.Tensor) -> torch.Tensor:
     """FP32 -> BF16, to nearest with ties away from zero (see the module docstring); NaN stays NaN,
-    values beyond BF16's range become +-inf (the caller saturates)."""
+    values beyond BF16's range become +-inf (the caller saturates). On the bits, except traced by
+    ``torch.compile`` for a CPU, in FP32 arithmetic (``_round_bf16_arith``), bit for bit the same
+    (a GPU compiler may fuse its multiply and add into one FMA, which the arithmetic cannot take,
+    and reads bits as int32 at no cost)."""
+    if compiling() and master.device.type == "cpu":
+        return _round_bf16_arith(master)
     # (b + half) with the low 16 bits cleared is an FP32 value BF16 holds exactly: the cast that
     # follows does not round again.
     rounded = ((master.view(torch.int32) + _HALF) & _HIGH).view(torch.float32)
     # NaN payloads in the low bits would carry into inf (or wrap the sign): keep NaN
     return torch.where(master != master, master, rounded).to(torch.bfloat16)
+
+
+_BIG, _DOWN, _UP = 2.0**100, 2.0**-32, 2.0**32  # Veltkamp's C * x must not overflow: scaled, exactly
+_TINY = 2.0**-126  # below: FP32 subnormals, which BF16 rounds at fixed steps (2^-133)
+_MAGIC8, _MAGIC9 = 1.5 * 2.0**-110, 1.5 * 2.0**-111  # (x + M) - M: to multiples of 2^-133, 2^-134
+_INF = float("inf")  # compared with: inductor's CPU code has no vector isinf
+
+
+def _veltkamp(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` to ``bits`` significant bits, to nearest (a tie either way): Dekker 1971."""
+    c = x * (2.0 ** (24 - bits) + 1)
+    return c + (x - c)
+
+
+def _round_bf16_arith(x: torch.Tensor) -> torch.Tensor:
+    """``round_bf16`` in FP32 arithmetic. Inductor's CPU code has no vector form of reading FP32
+    bits as int32 (it moves each lane through memory), nor can a BF16 cast stand in for a
+    rounding inside a graph (inductor drops a cast to BF16 and back). ``r`` is ``x`` rounded to
+    BF16's 8 significant bits, to nearest; ``x`` is a tie iff it needs exactly 9 bits (it rounds
+    to itself at 9, not at 8); a tie that went toward zero takes the other neighbour, ``2x - r``
+    (exact). Subnormals round at BF16's fixed steps instead. Inductor compiles with
+    ``-ffp-contract=off`` and without unsafe math, which Veltkamp's split needs; subnormal masters
+    assume the default IEEE mode (``torch.set_flush_denormal(False)``)."""
+    a = x.abs()
+    big = a >= _BIG
+    xs = x * torch.where(big, _DOWN, 1.0)
+    tiny = a < _TINY
+    r8 = torch.where(tiny, (x + _MAGIC8) - _MAGIC8, _veltkamp(xs, 8))
+    r9 = torch.where(tiny, (x + _MAGIC9) - _MAGIC9, _veltkamp(xs, 9))  # (tiny: xs is x)
+    toward_zero_tie = (r9 == xs) & (r8 != xs) & (r8.abs() < xs.abs())
+    r = torch.where(toward_zero_tie, 2 * xs - r8, r8) * torch.where(big, _UP, 1.0)
+    r = torch.where(a == _INF, x, r)
+    return torch.copysign(r, x).to(torch.bfloat16)  # what rounds to 0 keeps the sign of x
 
 
 def _high(param: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,24 @@ def test_a_master_beyond_bf16s_range_saturates_instead_of_wrapping():
     assert torch.equal(engine.with_fp32_master(params, state).master[:5], back)
 
 
+def test_compiled_rounding_is_bit_for_bit_the_eager_one():
+    """Compiled for a CPU, ``round_bf16`` is FP32 arithmetic, not the bits (``_round_bf16_arith``):
+    the same BF16 values on random patterns, exact ties, subnormals of both signs, values near
+    BF16's and FP32's largest, zeros, inf and NaN; eager, the arithmetic form agrees too."""
+    g = torch.Generator().manual_seed(1)
+    edges = torch.tensor([0, 1, 0x8000, 0x18000, 0x7FFF, 0x007F8000, 0x007FFFFF, 0x00800000, 0x00808000, 0x3F7F8000,
+                          0x3F7FFFFF, 0x3F808000, 0x3F818000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000],
+                         dtype=torch.int64).to(torch.int32)
+    subnormal = torch.randint(0, 2**23, (20_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    bits = torch.cat([edges, subnormal, torch.randint(-2**31, 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)])
+    x = torch.cat([fp32_patterns(200_000), bits.view(torch.float32), (bits | -2**31).view(torch.float32)])
+    want = round_bf16(x).view(torch.int16)
+    nan = x.isnan()
+    for got in (torch.compile(round_bf16, dynamic=False)(x), fzero.remainder._round_bf16_arith(x)):
+        assert got[nan].isnan().all()
+        assert torch.equal(got.view(torch.int16)[~nan], want[~nan])
+
+
 def test_cast_params_rounds_bf16_the_same_way():
     m = fp32_patterns(10_000)
     assert torch.equal(fzero.engine.cast_params(m, torch.bfloat16).view(torch.int16), round_bf16(m).view(torch.int16))
