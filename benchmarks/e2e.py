@@ -65,7 +65,12 @@ LR, WEIGHT_DECAY = 3e-4, 0.1
 # glibc keeps freed memory in the process instead of unmapping it: no allocation is served by
 # mmap (threshold 4 GiB) and the heap is never trimmed back to the kernel.
 MALLOC_CACHING = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=4294967296"
-MALLOCS = {"glibc": None, "caching": MALLOC_CACHING}
+# The environment of each allocator setting. thp: torch's CPU allocator aligns buffers of 2 MiB
+# and up to 2 MiB and asks the kernel for transparent huge pages there (madvise), so a fresh
+# buffer is faulted in 2 MiB at a time instead of 4 KiB (c10's THP_MEM_ALLOC_ENABLE; it needs
+# /sys/kernel/mm/transparent_hugepage/enabled at madvise or always). fresh_mib counts a page
+# per fault, so under thp it reads low: the kernel zeroes the same bytes in fewer faults.
+MALLOCS = {"glibc": {}, "caching": {"GLIBC_TUNABLES": MALLOC_CACHING}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"}}
 VARIANTS = {  # fzero recipes --variants can add beside the main job's
     "main": "the main job's make_train_step: compiled loss of the flat buffer + compiled step",
     "grads-buffer": "compiled loss of the params, grads laid out into a flat buffer kept across steps + compiled step",
@@ -214,10 +219,12 @@ def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
     # drift in the machine's speed cancels within a round
     for v in args.variants:
         out[f"{v}_ratio"] = statistics.median(t / f for t, f in zip(times["torch"], times[v]))
-    if args.profile and rank == 0:
+    if args.profile:  # every rank runs the block (its collectives need them all); rank 0 prints
         for name, run in blocks.items():
-            print(f"\n{name}, {dtype_name}, {world} rank(s): ops by self CPU time over one block of {args.steps} steps")
-            print(profile_table(run, args.profile))
+            prof = profile_table(run, args.profile)
+            if rank == 0:
+                print(f"\n{name}, {dtype_name}, {world} rank(s): ops by self CPU time over one block of {args.steps} "
+                      f"steps (rank 0)\n{prof}")
     out["fzero_tok_s"], out["ratio"] = out[f"{args.variants[0]}_tok_s"], out[f"{args.variants[0]}_ratio"]
     return out
 
@@ -225,9 +232,9 @@ def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:
 def run_child(args, world: int, malloc: str) -> list[dict]:
     """The rows at ``world`` ranks under ``malloc`` (``MALLOCS``): this script again, in a process
     of its own (under torchrun for 2+ ranks); rank 0's rows come back."""
-    env = {}
-    if MALLOCS[malloc]:
-        env["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), MALLOCS[malloc]]))
+    env = dict(MALLOCS[malloc])
+    if "GLIBC_TUNABLES" in env:
+        env["GLIBC_TUNABLES"] = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), env["GLIBC_TUNABLES"]]))
     return rows_of_ranks(__file__, [*sys.argv[1:], "--malloc", malloc], world, env)
 
 

@@ -30,8 +30,7 @@ def test_a_64_mib_buffer_is_fresh_pages_every_time_unless_the_allocator_caches(m
     finally:
         sys.path.pop(0)
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    if MALLOCS[malloc]:
-        env["GLIBC_TUNABLES"] = MALLOCS[malloc]
+    env.update(MALLOCS[malloc])
     proc = run_script([sys.executable, "-c", SNIPPET], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     mib = json.loads(proc.stdout.splitlines()[-1])

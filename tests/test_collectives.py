@@ -8,7 +8,7 @@ import fzero
 import fzero.comm
 from fzero import transforms
 from distributed import run_ranks
-from helpers import counting_comm, grads_like, odd_params
+from helpers import compiled_buffers, counting_comm, grads_like, odd_params
 
 
 def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
@@ -79,11 +79,16 @@ def gloo_table_against_gloos_own(rank, world_size):
     t = comm.collectives
     rsd = lambda d: t.reduce_scatter_donated(d, "sum", 0, group)  # noqa: E731
     agi = lambda s, o: t.all_gather_into(s, o, 0, group)  # noqa: E731
-    out["donated"] = []
+    out["donated"], out["buffers"] = [], []
     for fn in (rsd, agi):
         for run in ([fn, torch.compile(fn, fullgraph=True)] if compiled else [fn]):
             given, into = x.clone(), torch.full((n,), float("nan"))
-            got = run(given) if fn is rsd else run(shard, into)
+            args = (given,) if fn is rsd else (shard, into)
+            if run is fn:
+                got = run(*args)
+            else:  # and what the generated code allocates
+                got, buffers = compiled_buffers(run, *args)
+                out["buffers"].append(buffers)
             mine = given if fn is rsd else into  # the buffer written
             out["donated"].append((got.clone(), mine.clone(), got.data_ptr() - mine.data_ptr()))
     return out
@@ -106,3 +111,6 @@ def test_on_gloo_reduce_scatter_and_all_gather_go_over_all_reduce_and_broadcast_
             assert offset == rank * S * 4  # a view of the donated buffer, eager and compiled
         for got, buffer, offset in r["donated"][runs:]:
             assert torch.equal(got, ag_want) and torch.equal(buffer, ag_want) and offset == 0
+        # compiled, neither makes a buffer of a shard or of the whole: each works in the one given
+        for buffers in r["buffers"]:
+            assert not [b for b in buffers if b[0] in (S, S * world_size)], buffers

@@ -93,7 +93,7 @@ def all_reduce_in_place(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
 def broadcast_in_place(x: torch.Tensor, src: int, group: str) -> torch.Tensor:
     """``x`` overwritten with rank ``src``'s ``x`` (a view may be given: it is written through),
     complete: the functional collectives' in-place form, eager only (it cannot be
-    functionalized; traced, see ``over_all_reduce``'s ``all_gather_into``)."""
+    functionalized; traced, it runs inside ``_broadcast_shards_into_op``)."""
     return funcol.wait_tensor(torch.ops._c10d_functional.broadcast_(x, src, group))
 
 
@@ -126,23 +126,39 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
         return all_reduce_in_place(x, op, group).narrow(0, rank * shard, shard)
 
     def all_gather_into(x: torch.Tensor, out: torch.Tensor, dim: int, group) -> torch.Tensor:
-        shard = x.shape[0]
-        slices = [out.narrow(0, i * shard, shard) for i in range(world_size)]
-        if compiling():
-            # Each shard received into a temporary and copied into its slice (inductor does not
-            # reinplace a broadcast). Sent from ``x`` itself, not from ``out``: a broadcast from
-            # a slice written just before makes the graph recompute that slice's value for
-            # every later read of ``out``.
-            for i, part in enumerate(slices):
-                part.copy_(completed(base.broadcast(x if i == rank else torch.empty_like(x), i, group)))
-            return out
-        slices[rank].copy_(x)
-        for i, part in enumerate(slices):
-            broadcast_in_place(part, i, group)
+        # traced, as one op that mutates ``out`` (see ``_broadcast_shards_into_op``)
+        (_broadcast_shards_into_op if compiling() else _broadcast_shards_into)(out, x, rank, world_size, group)
         return out
 
     return base._replace(reduce_scatter=reduce_scatter, all_gather=all_gather,
                          reduce_scatter_donated=reduce_scatter_donated, all_gather_into=all_gather_into)
+
+
+def _broadcast_shards_into(out: torch.Tensor, x: torch.Tensor, rank: int, world_size: int, group: str) -> None:
+    """The all-gather of the ``[S]`` shards ``x`` written into ``out`` (``[N*S]``): this rank's
+    slice copied from ``x``, then every slice broadcast in place from its rank. No buffer but
+    ``out`` and no copy but this rank's own slice."""
+    shard = x.shape[0]
+    slices = [out.narrow(0, i * shard, shard) for i in range(world_size)]
+    slices[rank].copy_(x)
+    for i, part in enumerate(slices):
+        broadcast_in_place(part, i, group)
+
+
+@torch.library.custom_op("fzero::broadcast_shards_into", mutates_args=("out",))
+def _broadcast_shards_into_op(out: torch.Tensor, x: torch.Tensor, rank: int, world_size: int, group: str) -> None:
+    """``_broadcast_shards_into`` as an op that ``torch.compile`` keeps whole. Written as
+    functional collectives inside the graph, each shard arrived in a temporary (inductor does
+    not reinplace a broadcast) and was copied into ``out``: a concatenation and a copy, three
+    passes over the buffer; copied slice by slice, one loop over all of it that picked each
+    element's slice (docs/communication.md has the profiles). Inductor calls the op on the
+    graph input's own buffer."""
+    _broadcast_shards_into(out, x, rank, world_size, group)
+
+
+@_broadcast_shards_into_op.register_fake
+def _(out, x, rank, world_size, group) -> None:
+    return None
 
 
 def for_backend(backend: str, rank: int, world_size: int) -> Collectives:
