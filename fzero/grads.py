@@ -50,11 +50,14 @@ class Accumulated(NamedTuple):
 
 class Unreduced(NamedTuple):
     """This rank's grads, one ``[N*S_b]`` buffer per bucket, summed over ``count`` micro-batches;
-    ``owned``: the buffers are new (laid out from a pytree, or cast), not the caller's tensors."""
+    ``owned``: the buffers are new (laid out from a pytree, or cast), not the caller's tensors;
+    ``sum_dtype``: the dtype to sum them in over ranks where it is wider than theirs (else
+    ``None``: in their own)."""
 
     buckets: list[torch.Tensor]
     count: torch.Tensor | int
     owned: bool
+    sum_dtype: torch.dtype | None = None
 
 
 class Reduced(NamedTuple):
@@ -136,6 +139,12 @@ class GradPath:
     reduce_dtype: torch.dtype
     stage: int
 
+    @property
+    def widened(self) -> bool:
+        """Whether grads are summed over ranks in a dtype wider than theirs (BF16 or FP16 grads
+        in FP32): then the step reduces them as they come and sums in ``reduce_dtype``."""
+        return self.comm.data_parallel > 1 and self.reduce_dtype.itemsize > self.param_dtype.itemsize
+
     # ------------------------------------------------------------------ the door
     def check(self, x: Any, what: str) -> bool:
         """Validate params or grads (``what``), given as the flat ``[N*S]`` buffer or as a pytree
@@ -161,9 +170,12 @@ class GradPath:
         if not isinstance(grads, Accumulated):
             if segments and self.comm.data_parallel == 1:
                 return Reduced(self.segments(grads), 1.0, 1, False)
-            new_buffers = not isinstance(grads, torch.Tensor) or grads.dtype != self.reduce_dtype
+            # Grads narrower than the reduce dtype are reduced as they are and summed in it
+            # (``Communicator.reduce_scatter_mean``): no wider copy of them is made here.
+            dtype = self.param_dtype if self.widened else self.reduce_dtype
+            new_buffers = not isinstance(grads, torch.Tensor) or grads.dtype != dtype
             owned = new_buffers or (donated and self.comm.data_parallel > 1)
-            return Unreduced(self.buckets(grads, self.reduce_dtype), 1, owned)
+            return Unreduced(self.buckets(grads, dtype), 1, owned, self.reduce_dtype if self.widened else None)
         if self._check_accumulated(grads):
             return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count, False)
         return Unreduced(split_buckets(grads.grads, self.layout), grads.count, False)
@@ -197,7 +209,7 @@ class GradPath:
         """This rank's reduced shard (a reduce-scatter per bucket for ``Unreduced`` grads)."""
         if isinstance(form, Reduced):
             return form
-        shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout, donated=form.owned)
+        shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout, donated=form.owned, dtype=form.sum_dtype)
         return Reduced(shard, factor, form.count, form.owned or self.comm.data_parallel > 1)
 
     # ------------------------------------------------------------------ micro-batches

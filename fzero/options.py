@@ -39,8 +39,10 @@ def zero1(
         sharded over ``shard`` (12P/S bytes per rank), replicated over ``replicate``; grads
         reduce-scattered inside the shard group, the shard all-reduced over the replicate
         group, params all-gathered inside the shard group (``fzero.comm.HybridComm``).
-      reduce_dtype: dtype of the gradient reduce-scatter: FP32 (default; 2x the wire bytes of
-        FP16, cannot overflow from the sum) or ``param_dtype`` with the FSDP pre/post split of 1/N.
+      reduce_dtype: dtype the gradients are summed in over ranks: FP32 (default; the sum cannot
+        overflow) or ``param_dtype`` with the FSDP pre/post split of 1/N. FP16/BF16 grads go out
+        in their own dtype either way on gloo (an all-to-all, each rank summing its shard in
+        FP32 where it lands); NCCL reduce-scatters an FP32 copy (2x the wire bytes).
       alignment: each rank's slice of each bucket is a multiple of this many elements (64), and
         of the transform's ``block`` (256 with 8-bit moments: no block straddles two ranks).
       bucket_bytes: split the flat buffer into buckets of about this many param bytes, each

@@ -200,9 +200,9 @@ class RecordingComm(fzero.comm.Comm):
         if self.world_size > 1:
             self.events.append((name, x.numel() * x.element_size()))
 
-    def reduce_scatter_bucket(self, x, i, layout, *, wait=True, donated=False):
+    def reduce_scatter_bucket(self, x, i, layout, *, wait=True, donated=False, dtype=None):
         self._log("reduce_scatter", x)
-        return super().reduce_scatter_bucket(x, i, layout, wait=wait, donated=donated)
+        return super().reduce_scatter_bucket(x, i, layout, wait=wait, donated=donated, dtype=dtype)
 
     def all_gather_bucket(self, x, i, layout):
         y = super().all_gather_bucket(x, i, layout)

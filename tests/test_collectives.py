@@ -15,7 +15,7 @@ def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
     table = fzero.comm.FUNCTIONAL.wrapped(lambda name, fn: (name, fn))
     assert table == fzero.comm.Collectives(*((name, fn) for name, fn in zip(table._fields, fzero.comm.FUNCTIONAL)))
     assert [name for name, _ in table] == ["reduce_scatter", "all_gather", "all_reduce", "broadcast",
-                                          "reduce_scatter_donated", "all_gather_into", "all_to_all"]
+                                          "reduce_scatter_donated", "reduce_scatter_wide", "all_gather_into", "all_to_all"]
 
 
 def counted_step(rank, world_size):
@@ -48,12 +48,12 @@ def test_a_wrapped_table_counts_every_collective_and_compiles():
         b, padded = r["buckets"], r["padded"]
         assert b > 1
         names = [name for name, _ in r["calls"]]
-        # the grads pytree is laid out into new FP32 buckets: the step's own, reduced in place
-        assert names.count("reduce_scatter_donated") == names.count("all_gather") == b and names.count("all_reduce") == 1
+        # the FP16 grads pytree is laid out into FP16 buckets, each summed in FP32 over ranks
+        assert names.count("reduce_scatter_wide") == names.count("all_gather") == b and names.count("all_reduce") == 1
         assert len(names) == 2 * b + 1  # nothing else, and no broadcast without replicas
-        nbytes = {n: sum(x for m, x in r["calls"] if m == n) for n in ("reduce_scatter_donated", "all_gather", "all_reduce")}
-        # FP32 grads of the whole buffer in, this rank's FP16 half of the params in, one float64
-        assert nbytes == {"reduce_scatter_donated": 4 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
+        nbytes = {n: sum(x for m, x in r["calls"] if m == n) for n in ("reduce_scatter_wide", "all_gather", "all_reduce")}
+        # FP16 grads of the whole buffer in, this rank's FP16 half of the params in, one float64
+        assert nbytes == {"reduce_scatter_wide": 2 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
         assert r["after_compiled"] == len(names)  # the compiled step ran the wrapper only while tracing
 
 
@@ -114,3 +114,42 @@ def test_on_gloo_reduce_scatter_and_all_gather_go_over_all_reduce_and_broadcast_
         # compiled, neither makes a buffer of a shard or of the whole: each works in the one given
         for buffers in r["buffers"]:
             assert not [b for b in buffers if b[0] in (S, S * world_size)], buffers
+
+
+def widening_reduce_scatter(rank, world_size):
+    from fzero.comm.collectives import FUNCTIONAL, completed
+    comm = fzero.comm.Comm.of(None)
+    group, t, n = comm.group, comm.collectives, 4 * world_size * 64
+    S = n // world_size
+    gen = torch.Generator().manual_seed(rank)
+    ints = torch.randint(-50, 50, (n,), generator=gen)  # exact sums in any order
+    spread = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-14, 10, (n,), generator=gen).float())  # finite in FP16
+    wide = lambda x: t.reduce_scatter_wide(x, torch.float32, "sum", 0, group)  # noqa: E731
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        x, y = ints.to(dtype), spread.to(dtype)
+        got = {"eager": wide(x)}
+        if world_size == 2:  # what the trace holds does not depend on the world size
+            got["compiled"], out[f"{dtype} buffers"] = compiled_buffers(torch.compile(wide, fullgraph=True), x)
+        out[dtype] = {
+            "got": got,
+            "gloo's own": completed(FUNCTIONAL.reduce_scatter(x.float(), "sum", 0, group)),  # of an FP32 copy
+            "spread": wide(y),
+            # the all-reduce of an FP32 copy, which the step made before
+            "spread all-reduced": completed(FUNCTIONAL.all_reduce(y.float(), "sum", group))[rank * S : (rank + 1) * S],
+        }
+    return out, S
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_widening_reduce_scatter_sums_low_precision_grads_in_fp32_without_an_fp32_copy(world_size):
+    for out, S in run_ranks(widening_reduce_scatter, world_size):
+        for dtype in (torch.float16, torch.bfloat16):
+            r = out[dtype]
+            for got in r["got"].values():  # eager and compiled: gloo's own sums of the FP32 copy
+                assert got.dtype == torch.float32 and torch.equal(got, r["gloo's own"])
+            if world_size == 2:  # one addition, which commutes: the same bits on any values
+                assert torch.equal(r["spread"], r["spread all-reduced"])
+                # compiled, nothing FP32 of the whole buffer's size: only this rank's [S] sum
+                assert not [b for b in out[f"{dtype} buffers"] if b == (S * world_size, "float32")]

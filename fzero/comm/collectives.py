@@ -35,6 +35,9 @@ class Collectives(NamedTuple):
     * ``broadcast(x, src, group)`` -> rank ``src``'s ``x``
     * ``reduce_scatter_donated(x, op, dim, group)`` -> ``reduce_scatter``'s result, from a
       buffer the caller gives up: it may be overwritten (reduced in place, no copy of it)
+    * ``reduce_scatter_wide(x, dtype, op, dim, group)`` -> ``reduce_scatter``'s result for
+      ``x.to(dtype)``, a wider dtype (low-precision grads summed in FP32), complete; ``op`` is
+      ``"sum"``
     * ``all_gather_into(x, out, dim, group)`` -> ``out``, overwritten with ``all_gather``'s
       result (written in place where the backend allows: no new buffer)
     * ``all_to_all(x, output_split_sizes, input_split_sizes, group)`` -> the pieces every rank
@@ -48,6 +51,7 @@ class Collectives(NamedTuple):
     all_reduce: Callable[..., torch.Tensor]
     broadcast: Callable[..., torch.Tensor]
     reduce_scatter_donated: Callable[..., torch.Tensor]
+    reduce_scatter_wide: Callable[..., torch.Tensor]
     all_gather_into: Callable[..., torch.Tensor]
     all_to_all: Callable[..., torch.Tensor]
 
@@ -68,6 +72,10 @@ def _copy_of_all_gather(x: torch.Tensor, out: torch.Tensor, dim: int, group) -> 
     return out.copy_(completed(_all_gather(x, dim, group)))
 
 
+def _reduce_scatter_of_cast(x: torch.Tensor, dtype: torch.dtype, op: str, dim: int, group) -> torch.Tensor:
+    return completed(_reduce_scatter(x.to(dtype), op, dim, group))
+
+
 FUNCTIONAL = Collectives(
     reduce_scatter=_reduce_scatter,
     all_gather=_all_gather,
@@ -75,6 +83,8 @@ FUNCTIONAL = Collectives(
     broadcast=funcol.broadcast,
     # a reduce-scatter reads its input without copying it, whoever owns it
     reduce_scatter_donated=_reduce_scatter,
+    # NCCL sums in the dtype it is given: the wider copy first
+    reduce_scatter_wide=_reduce_scatter_of_cast,
     all_gather_into=_copy_of_all_gather,
     all_to_all=funcol.all_to_all_single,
 )
@@ -105,7 +115,13 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
       slice of it (a view, taken without waiting: the collective stays in flight);
     * all-gather = N broadcasts, rank ``i``'s ``[S]`` shard from rank ``i``, concatenated;
     * the donated reduce-scatter reduces the buffer in place (no ``[N*S]`` copy of it), and
-      ``all_gather_into`` broadcasts each shard into its own slice of ``out``.
+      ``all_gather_into`` broadcasts each shard into its own slice of ``out``;
+    * the widening reduce-scatter (BF16 or FP16 grads summed in FP32) = an all-to-all in the
+      grads' own dtype, then this rank's N pieces summed in ``dtype``, in rank order: each
+      element crosses the wire once, at 2 bytes, where the all-reduce of an FP32 copy sends
+      every element twice at 4 bytes, and there is no ``[N*S]`` FP32 copy. The same sums: at 2
+      ranks bit for bit the all-reduce's (one addition, which commutes); beyond, in rank order
+      instead of the ring's.
 
     Why: gloo's own reduce-scatter and all-gather take longer than these on the same bytes
     (1.21x and 1.18x for a 41 MiB FP32 bucket on 2 ranks, ``benchmarks/collectives.py``;
@@ -116,6 +132,13 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
     def reduce_scatter(x: torch.Tensor, op: str, dim: int, group) -> torch.Tensor:
         shard = x.shape[0] // world_size
         return base.all_reduce(x, op, group).narrow(0, rank * shard, shard)
+
+    def reduce_scatter_wide(x: torch.Tensor, dtype: torch.dtype, op: str, dim: int, group) -> torch.Tensor:
+        pieces = completed(base.all_to_all(x, None, None, group)).view(world_size, -1)  # [N, S]: ours from each
+        total = pieces[0].to(dtype)
+        for piece in pieces[1:]:
+            total = total + piece.to(dtype)
+        return total
 
     def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         parts = [base.broadcast(x if i == rank else torch.empty_like(x), i, group) for i in range(world_size)]
@@ -131,7 +154,8 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
         return out
 
     return base._replace(reduce_scatter=reduce_scatter, all_gather=all_gather,
-                         reduce_scatter_donated=reduce_scatter_donated, all_gather_into=all_gather_into)
+                         reduce_scatter_donated=reduce_scatter_donated, reduce_scatter_wide=reduce_scatter_wide,
+                         all_gather_into=all_gather_into)
 
 
 def _broadcast_shards_into(out: torch.Tensor, x: torch.Tensor, rank: int, world_size: int, group: str) -> None:

@@ -76,20 +76,23 @@ class Communicator:
         pre = self._pre(x.dtype)
         return self.reduce_scatter_bucket(x if pre == 1.0 else x.div_(pre), i, layout, wait=wait)
 
-    def reduce_scatter_mean(self, buckets: list[torch.Tensor], layout: Layout, *,
-                            donated: bool = False) -> tuple[torch.Tensor, float]:
+    def reduce_scatter_mean(self, buckets: list[torch.Tensor], layout: Layout, *, donated: bool = False,
+                            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, float]:
         """Per-bucket ``[N*S_b]`` grads of this rank -> ``(partial, factor)``: ``partial * factor``
         is this rank's ``[S]`` shard of their mean over ranks. The factor is left to the caller so
         that it joins the step's one FP32 multiply (unscale, micro-batches). ``donated``: the
         buckets may be overwritten (pre-divided and reduced in place), else they are not modified.
+        ``dtype``: the sum's dtype where it is wider than the buckets' (BF16 or FP16 grads summed
+        in FP32, ``reduce_scatter_bucket``); the partial comes back in it.
 
         Summing N scaled FP16 grads can overflow by itself: an FP32 sum cannot; a sum in FP16/BF16
         divides its inputs by ``pre`` ~ sqrt(N) first (``predivide_factor``)."""
-        pre = self._pre(buckets[0].dtype)
+        dtype = dtype or buckets[0].dtype
+        pre = self._pre(dtype)
         if pre != 1.0:
             buckets = [x.div_(pre) if donated else x / pre for x in buckets]
-        parts = [self.reduce_scatter_bucket(x, i, layout, donated=donated) for i, x in enumerate(buckets)]
-        return concat(parts), self.mean_factor(buckets[0].dtype)
+        parts = [self.reduce_scatter_bucket(x, i, layout, donated=donated, dtype=dtype) for i, x in enumerate(buckets)]
+        return concat(parts), self.mean_factor(dtype)
 
     def all_gather(self, shard: torch.Tensor, layout: Layout) -> torch.Tensor:
         """This rank's ``[S]`` shard -> the ``[padded_numel]`` buffer of every rank's shard."""

@@ -126,12 +126,19 @@ class Comm(Communicator):
             raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
 
     def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
-                              donated: bool = False) -> torch.Tensor:
+                              donated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Bucket ``i``'s ``[N*S_b]`` buffer -> this rank's ``[S_b]`` slice of its sum over ranks.
 
         ``wait=False`` returns while the collective is in flight (an ``AsyncCollectiveTensor``
         that waits when first used, or explicitly via ``wait``): how backward overlaps it.
-        ``donated``: ``x`` may be overwritten (``Collectives.reduce_scatter_donated``)."""
+        ``donated``: ``x`` may be overwritten (``Collectives.reduce_scatter_donated``).
+        ``dtype``: summed in this dtype, wider than ``x``'s (``Collectives.reduce_scatter_wide``;
+        complete on return)."""
+        if dtype is not None and dtype != x.dtype:
+            if self.world_size == 1:
+                return x.to(dtype)
+            what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
+            return self.issue(what, self.collectives.reduce_scatter_wide, x, dtype, "sum", 0, self.group)
         if self.world_size == 1:
             return x
         what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
@@ -201,9 +208,11 @@ class Comm(Communicator):
 
         pg = self.process_group()
         rs, ag = [], []
+        # as the step reduces: grads narrower than reduce_dtype as they are, summed in it
+        grads_dtype = gather_dtype if reduce_dtype.itemsize > gather_dtype.itemsize else reduce_dtype
         for i, b in enumerate(layout.buckets):
-            x = torch.zeros(self.world_size * b.shard, dtype=reduce_dtype, device=device)
-            rs.append(timed(lambda: self.reduce_scatter_bucket(x, i, layout)))
+            x = torch.zeros(self.world_size * b.shard, dtype=grads_dtype, device=device)
+            rs.append(timed(lambda: self.reduce_scatter_bucket(x, i, layout, dtype=reduce_dtype)))
             y = torch.zeros(b.shard, dtype=gather_dtype, device=device)
             ag.append(timed(lambda: self.all_gather_bucket(y, i, layout)))
         t = torch.tensor([rs, ag], dtype=torch.float64, device=device)

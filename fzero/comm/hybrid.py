@@ -69,10 +69,10 @@ class HybridComm(Comm):
         return self.issue(what, self.collectives.all_reduce, x, "sum", self.replicate)
 
     def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
-                              donated: bool = False) -> torch.Tensor:
+                              donated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Inside the shard group, then summed over the replicas; ``wait=False`` returns the
         shard group's part in flight and ``wait_reduced`` sums it over the replicas."""
-        part = super().reduce_scatter_bucket(x, i, layout, wait=wait, donated=donated)
+        part = super().reduce_scatter_bucket(x, i, layout, wait=wait, donated=donated, dtype=dtype)
         return self._sum_replicas_of(part, i, layout) if wait else part
 
     def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:

@@ -46,9 +46,9 @@ class SimulatedComm(Communicator):
         return x
 
     def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
-                              donated: bool = False) -> torch.Tensor:
+                              donated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
         b = layout.buckets[i]
-        return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.data_parallel
+        return x[self.rank * b.shard : (self.rank + 1) * b.shard].to(dtype or x.dtype) * self.data_parallel
 
     def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         return x.repeat(self.world_size)
