@@ -232,7 +232,8 @@ class GradPath:
         else:
             count = torch.ones((), dtype=torch.int32, device=self.device)
             if self.stage == 2:  # reduce-scatter every micro-batch, keep this rank's FP32 shard of the sum
-                part = self.comm.reduce_scatter_mean(self.buckets(grads, self.reduce_dtype), self.layout)[0].float()
+                form = self.to_form(grads)
+                part = self.comm.reduce_scatter_mean(form.buckets, self.layout, dtype=form.sum_dtype)[0].float()
             else:  # the FP32 [N*S] sum, reduced once, in step
                 part = concat(self.buckets(grads, torch.float32))
         if acc is None:
