@@ -48,7 +48,9 @@ class SimulatedComm(Communicator):
     def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
                               donated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
         b = layout.buckets[i]
-        return x[self.rank * b.shard : (self.rank + 1) * b.shard].to(dtype or x.dtype) * self.data_parallel
+        # summed in a wider dtype as NCCL's path does (an [N*S_b] copy in it first): its memory
+        wide = x if dtype is None else x.to(dtype)
+        return wide[self.rank * b.shard : (self.rank + 1) * b.shard] * self.data_parallel
 
     def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         return x.repeat(self.world_size)
