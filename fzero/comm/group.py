@@ -134,14 +134,11 @@ class Comm(Communicator):
         ``donated``: ``x`` may be overwritten (``Collectives.reduce_scatter_donated``).
         ``dtype``: summed in this dtype, wider than ``x``'s (``Collectives.reduce_scatter_wide``;
         complete on return)."""
-        if dtype is not None and dtype != x.dtype:
-            if self.world_size == 1:
-                return x.to(dtype)
-            what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
-            return self.issue(what, self.collectives.reduce_scatter_wide, x, dtype, "sum", 0, self.group)
         if self.world_size == 1:
-            return x
+            return x if dtype is None else x.to(dtype)
         what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
+        if dtype is not None and dtype != x.dtype:
+            return self.issue(what, self.collectives.reduce_scatter_wide, x, dtype, "sum", 0, self.group)
         fn = self.collectives.reduce_scatter_donated if donated else self.collectives.reduce_scatter
         return self.issue(what, fn, x, "sum", 0, self.group, wait=wait)
 
