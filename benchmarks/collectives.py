@@ -6,7 +6,9 @@ both through torch's functional collectives as the step issues them. This script
 against the functional collectives that call gloo's own reduce-scatter and all-gather, on one
 FP32 bucket of ``--numel`` elements (the 10.8M of ``e2e.py``'s ``small`` GPT by default),
 alternating the two in each round; ms is the median over the rounds, measured on rank 0 after
-a barrier.
+a barrier. Third: BF16 grads summed in FP32 (``reduce_scatter_wide``): gloo's own reduce-scatter
+of an FP32 copy, fzero's all-reduce of that copy (what the step did before), and fzero's
+all-to-all of the BF16 grads, each rank summing its shard in FP32.
 
     python benchmarks/collectives.py                    # 2 gloo ranks on CPU
     python benchmarks/collectives.py --ranks 4 --numel 1e6
@@ -48,29 +50,36 @@ def child(args):
     n = int(args.numel) // world * world
     full = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     shard = full[: n // world].clone()
-    tables = {"gloo's own (functional collectives)": FUNCTIONAL, "fzero on gloo (over_all_reduce)": over_all_reduce(rank, world)}
-    ops = {
-        "reduce-scatter": lambda t: t.reduce_scatter(full, "sum", 0, group),
-        "all-gather": lambda t: t.all_gather(shard, 0, group),
+    # BF16 grads (integers: their sums are exact in any order, so every form must agree bit for bit)
+    low = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(rank)).bfloat16()
+    own, fz = FUNCTIONAL, over_all_reduce(rank, world)
+    ops = {  # op -> implementation -> call; the first is the baseline of the speed-up column
+        "reduce-scatter": {"gloo's own (functional collectives)": lambda: own.reduce_scatter(full, "sum", 0, group),
+                           "fzero on gloo (over_all_reduce)": lambda: fz.reduce_scatter(full, "sum", 0, group)},
+        "all-gather": {"gloo's own (functional collectives)": lambda: own.all_gather(shard, 0, group),
+                       "fzero on gloo (over_all_reduce)": lambda: fz.all_gather(shard, 0, group)},
+        "reduce-scatter of BF16 grads, summed in FP32": {
+            "gloo's own, of an FP32 copy": lambda: own.reduce_scatter_wide(low, torch.float32, "sum", 0, group),
+            "fzero's all-reduce of an FP32 copy": lambda: fz.reduce_scatter(low.float(), "sum", 0, group),
+            "fzero on gloo: all-to-all in BF16, summed in FP32": lambda: fz.reduce_scatter_wide(low, torch.float32, "sum", 0, group)},
     }
     rows = []
-    for op, call in ops.items():
+    for op, impls in ops.items():
         want = None
-        ms = {}
-        for name, t in tables.items():  # the results must agree bit for bit before they are timed
-            got = funcol.wait_tensor(call(t))
+        for name, call in impls.items():  # the results must agree bit for bit before they are timed
+            got = funcol.wait_tensor(call())
             assert want is None or torch.equal(got, want), f"{op}: {name} differs"
             want = got
-        samples = {name: [] for name in tables}
-        for _ in range(args.rounds):  # alternate: drift hits both
-            for name, t in tables.items():
-                samples[name] += timed(lambda: call(t), 1)
+        samples = {name: [] for name in impls}
+        for _ in range(args.rounds):  # alternate: drift hits all
+            for name, call in impls.items():
+                samples[name] += timed(call, 1)
         ms = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
-        base = ms["gloo's own (functional collectives)"]
+        base = next(iter(ms.values()))
         rows += [[op, name, f"{v:.1f}", f"{base / v:.2f}"] for name, v in ms.items()]
     if rank == 0:
-        print(f"\n{n:.3g} FP32 elements ({n * 4 / 2**20:.0f} MiB) on {world} gloo ranks, torch {torch.__version__}; "
-              f"median of {args.rounds} alternating rounds\n")
+        print(f"\n{n:.3g} elements ({n * 4 / 2**20:.0f} MiB in FP32, {n * 2 / 2**20:.0f} MiB in BF16) on {world} gloo "
+              f"ranks, torch {torch.__version__}; median of {args.rounds} alternating rounds\n")
         print(table(rows, ["collective", "implementation", "ms", "speed-up"]))
     fzero.shutdown()
 
