@@ -241,3 +241,17 @@ def test_donated_flat_grads_are_reduced_and_params_gathered_in_their_own_buffers
         assert r["donate"]["made"] == 0 and not r["donate"]["grads_kept"] and r["donate"]["kept"]
         assert torch.equal(r["donate"]["flat"], r["pure"]["flat"]) and torch.equal(r["donate"]["master"], r["pure"]["master"])
     assert torch.equal(out[0]["donate"]["flat"], out[1]["donate"]["flat"])
+
+
+def timed_collectives(rank, world_size):
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.bfloat16, bucket_bytes=40)  # BF16 summed in FP32
+    engine.init(odd_params())
+    return engine.time_collectives(), len(engine.layout.buckets)
+
+
+@pytest.mark.multirank
+def test_time_collectives_times_each_bucket_as_the_step_reduces_it_the_same_on_every_rank():
+    (first, buckets), (second, _) = run_ranks(timed_collectives, 2)
+    assert buckets > 1 and first == second  # the max over ranks
+    assert [len(first["reduce_scatter_ms"]), len(first["all_gather_ms"])] == [buckets, buckets]
+    assert all(ms > 0 for ms in first["reduce_scatter_ms"] + first["all_gather_ms"])
