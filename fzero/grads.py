@@ -172,10 +172,10 @@ class GradPath:
                 return Reduced(self.segments(grads), 1.0, 1, False)
             # Grads narrower than the reduce dtype are reduced as they are and summed in it
             # (``Communicator.reduce_scatter_mean``): no wider copy of them is made here.
-            dtype = self.param_dtype if self.widened else self.reduce_dtype
+            dtype, sum_dtype = (self.param_dtype, self.reduce_dtype) if self.widened else (self.reduce_dtype, None)
             new_buffers = not isinstance(grads, torch.Tensor) or grads.dtype != dtype
             owned = new_buffers or (donated and self.comm.data_parallel > 1)
-            return Unreduced(self.buckets(grads, dtype), 1, owned, self.reduce_dtype if self.widened else None)
+            return Unreduced(self.buckets(grads, dtype), 1, owned, sum_dtype)
         if self._check_accumulated(grads):
             return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count, False)
         return Unreduced(split_buckets(grads.grads, self.layout), grads.count, False)

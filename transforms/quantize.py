@@ -73,7 +73,11 @@ def zeros(like: torch.Tensor, *, signed: bool) -> Quantized:
 def block_scale(x: torch.Tensor) -> torch.Tensor:
     """Each block's largest magnitude of ``x``: FP32 ``[ceil(numel / BLOCK)]``, the scales
     ``quantize(x)`` stores."""
-    return _blocks(x.float()).abs().amax(dim=1)
+    return _peaks(_blocks(x.float()))
+
+
+def _peaks(rows: torch.Tensor) -> torch.Tensor:
+    return rows.abs().amax(dim=1)
 
 
 def quantize(x: torch.Tensor, *, signed: bool, scale: torch.Tensor | None = None) -> Quantized:
@@ -87,7 +91,7 @@ def quantize(x: torch.Tensor, *, signed: bool, scale: torch.Tensor | None = None
     divisions and square roots, ``benchmarks/moments.py``); a value at the scale may map to
     ``1 +- 2^-23``, which rounds to the top code all the same."""
     rows = _blocks(x.float())
-    scale = block_scale(x) if scale is None else scale
+    scale = _peaks(rows) if scale is None else scale  # (the rows made once)
     # 0-blocks: multiply by 1 instead of 1/0 (their codes are 0 either way)
     y = rows * torch.where(scale > 0, scale, 1.0).reciprocal().unsqueeze(1)
     if signed:
