@@ -73,6 +73,7 @@ MALLOC_CACHING = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_thres
 MALLOCS = {"glibc": {}, "caching": {"GLIBC_TUNABLES": MALLOC_CACHING}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"}}
 VARIANTS = {  # fzero recipes --variants can add beside the main job's
     "main": "the main job's make_train_step: compiled loss of the flat buffer + compiled step",
+    "new-grads": "the main job's step with a new flat grads buffer from each backward (no grads_into)",
     "grads-buffer": "compiled loss of the params, grads laid out into a flat buffer kept across steps + compiled step",
     "overlapped": "engine.grad_and_value (reduce-scatter inside eager backward) + compiled step",
 }
@@ -144,6 +145,8 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         train_step = make_train_step(engine, loss_fn, compile=True)
     elif variant == "grads-buffer":
         train_step = grads_buffer_train_step(engine, loss_fn)
+    elif variant == "new-grads":
+        train_step = new_grads_train_step(engine, loss_fn)
     else:  # "overlapped": engine.grad_and_value (reduce-scatter inside eager backward), compiled step
         train_step = overlapped_train_step(engine, loss_fn, torch.compile(engine.step, fullgraph=True))
 
@@ -151,6 +154,24 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)
 
     return step
+
+
+def new_grads_train_step(engine, loss_fn):
+    """``make_train_step``'s step with the flat buffer's grads taken as autograd makes them
+    (``flat.grad``): a new ``[padded_numel]`` buffer from each backward, where the main job's
+    backward writes into one kept across steps (``fzero.unflatten(..., grads_into=)``)."""
+    optimizer_step = torch.compile(engine.step, fullgraph=True)
+    loss_of_flat = torch.compile(lambda flat, batch, like: loss_fn(fzero.unflatten(flat, engine.layout, like=like), batch))
+
+    def train_step(params, state, scaler_state, batch):
+        flat = engine.flat_params(params)
+        leaf = flat.detach().requires_grad_()
+        loss = loss_of_flat(leaf, batch, params)
+        fzero.scale_loss(loss, scaler_state).backward()
+        flat, state, scaler_state, info = optimizer_step(flat, leaf.grad, state, scaler_state)
+        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
+
+    return train_step
 
 
 def grads_buffer_train_step(engine, loss_fn):

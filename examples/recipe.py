@@ -98,7 +98,8 @@ def make_train_step(engine, loss_fn, *, compile: bool):
     * ``compile`` with one bucket (train.py's default): the loss is a compiled function of the
       flat param buffer (``engine.flat_params``; the leaves are views of it, ``fzero.unflatten``),
       so its compiled backward writes the grads straight into one flat buffer, laid out for
-      ``engine.step``, which reduce-scatters it. One bucket has nothing to overlap with backward.
+      ``engine.step``, which reduce-scatters it: the same buffer every step (``grads_into``).
+      One bucket has nothing to overlap with backward.
     * Several buckets (``--bucket-mb``), or not ``compile``: ``engine.grad_and_value``, each
       bucket's reduce-scatter started inside backward while backward goes on (eager only).
 
@@ -111,16 +112,21 @@ def make_train_step(engine, loss_fn, *, compile: bool):
         return overlapped_train_step(engine, loss_fn, optimizer_step)
 
     # ``like``: the params pytree, whose structure dynamo can rebuild (fzero.unflatten)
-    loss_of_flat = torch.compile(lambda flat, batch, like: loss_fn(fzero.unflatten(flat, engine.layout, like=like), batch))
+    loss_of_flat = torch.compile(lambda flat, grads, batch, like: loss_fn(
+        fzero.unflatten(flat, engine.layout, like=like, grads_into=grads), batch))
+    grads_buffer: list[torch.Tensor] = []  # the flat grads, allocated at the first step
 
     def train_step(params, state, scaler_state, batch):
         flat = engine.flat_params(params)
+        if not grads_buffer:
+            grads_buffer.append(torch.zeros_like(flat))
+        grads = grads_buffer[0]
         leaf = flat.detach().requires_grad_()  # an autograd leaf aliasing the buffer: no copy
-        loss = loss_of_flat(leaf, batch, params)
-        fzero.scale_loss(loss, scaler_state).backward()
+        loss = loss_of_flat(leaf, grads, batch, params)
+        fzero.scale_loss(loss, scaler_state).backward()  # writes every element of ``grads``
         # The step on the flat buffer: compiled, it writes the new params in the update's own
         # pass; a pytree costs a pass per leaf (docs/performance.md).
-        flat, state, scaler_state, info = optimizer_step(flat, leaf.grad, state, scaler_state)
+        flat, state, scaler_state, info = optimizer_step(flat, grads, state, scaler_state)
         return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
 
     return train_step

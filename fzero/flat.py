@@ -244,26 +244,78 @@ def split_buckets(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return [flat[b.start : b.start + layout.world_size * b.shard] for b in layout.buckets]
 
 
-def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+@torch.library.custom_op("fzero::cat_into", mutates_args=("out",))
+def _cat_into(parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``torch.cat(parts, out=out)`` as an op that ``torch.compile`` keeps whole. Traced as
+    copies into slices of ``out``, inductor fuses them into one loop over ``out`` that tests
+    every element against every piece's range (a GPT's backward took 1.6x as long); traced as
+    ``out.copy_(torch.cat(parts))``, it writes a new buffer of the whole size and copies it."""
+    torch.cat(parts, out=out)
+
+
+@_cat_into.register_fake
+def _(parts, out) -> None:
+    return None
+
+
+class _SplitGradsInto(torch.autograd.Function):
+    """``flat.split(sizes)``, whose backward writes the pieces' grads into ``into`` (zeros
+    where a piece got none; one concatenation into it) and gives ``flat`` no grad of its own."""
+
+    @staticmethod
+    def forward(ctx, flat, into, sizes):
+        ctx.into = into
+        return flat.split(sizes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        torch.ops.fzero.cat_into(list(grads), ctx.into)
+        return None, None, None
+
+
+def _views(flat: torch.Tensor, layout: Layout, grads_into: torch.Tensor | None = None) -> list[torch.Tensor]:
     # One split into the leaves and the gaps between them (in buffer order), not a slice per
     # leaf: the same views, but autograd's backward of a split is one concatenation, which
     # inductor writes straight into one buffer; the backward of N slices is N scatters into
     # zeroed copies of the whole buffer (differentiating ``engine.flat_params``).
     sizes, where = layout.split_sizes
-    parts = torch.split(flat, sizes)
+    parts = torch.split(flat, sizes) if grads_into is None else _SplitGradsInto.apply(flat, grads_into, sizes)
     return [parts[k].view(s) for k, s in zip(where, layout.shapes)]
 
 
-def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None) -> Any:
+def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_into: torch.Tensor | None = None) -> Any:
     """The pytree whose leaves are *views* into ``flat`` (writes to a leaf write the buffer).
 
     ``like``: a pytree with the layout's structure to take the structure from. Inside
     ``torch.compile`` pass one (e.g. the params): dynamo rebuilds trees only from structures
-    it traced itself, not from the ``PyTreeSpec`` stored in the layout."""
+    it traced itself, not from the ``PyTreeSpec`` stored in the layout.
+
+    ``grads_into``: a ``[padded_numel]`` buffer of ``flat``'s dtype and device, which backward
+    through the leaves fills with their grads, laid out as ``flat`` (every element: zeros for
+    padding and for leaves the loss does not use), in place of a grad for ``flat``
+    (``flat.grad`` stays ``None``). A buffer kept across steps and handed to ``engine.step``
+    as the flat grads: no new grads buffer each step (on a CPU, a new buffer above glibc's
+    mmap threshold is fresh pages from the kernel every time). Each leaf's grad is made on
+    its own and one concatenation lays them out into ``grads_into``."""
     if flat.ndim != 1 or flat.numel() != layout.padded_numel:
         raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, layout needs ({layout.padded_numel},)")
+    if grads_into is not None:
+        _check_grads_into(grads_into, flat)
     spec = layout.treespec if like is None else optree.tree_structure(like)
-    return optree.tree_unflatten(spec, _views(flat, layout))
+    return optree.tree_unflatten(spec, _views(flat, layout, grads_into))
+
+
+def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:
+    """``unflatten``'s ``grads_into`` is a buffer like ``flat`` and not ``flat`` itself."""
+    got = (tuple(into.shape), into.dtype, into.device)
+    if got != (tuple(flat.shape), flat.dtype, flat.device) or into.requires_grad:
+        raise ValueError(f"unflatten: grads_into is {got[1]} of shape {got[0]} on {got[2]}"
+                         f"{' requiring grad' if into.requires_grad else ''}; it must be a buffer like the flat "
+                         f"params: {flat.dtype} of shape {tuple(flat.shape)} on {flat.device}, not requiring grad")
+    # data pointers exist on real tensors only, not on the fakes torch.compile traces with
+    if not compiling() and into.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+        raise ValueError("unflatten: grads_into shares memory with the flat params; backward would overwrite "
+                         "the params with their grads")
 
 
 def shard_of(flat: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:

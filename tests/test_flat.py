@@ -118,3 +118,67 @@ def test_owned_tiles_the_global_vector_and_agrees_with_tree_shard(world_size, bu
         assert g0 == end and g1 > g0
         end = g1
     assert end == layout.numel
+
+
+def odd_loss(tree):
+    """A loss that uses every leaf of ``odd_tree`` but ``b/0`` (whose grad is zero)."""
+    return ((tree["z"].float().sin() * 3).sum() + (tree["b"][1].float() ** 3).sum()
+            + (tree["c"]["w"].float() * tree["c"]["s"].float()).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("bucket_numel", [None, 8])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grads_into_is_the_flat_grad_written_in_place(dtype, world_size, bucket_numel, compiled):
+    """Backward through ``unflatten(..., grads_into=buf)`` writes into ``buf`` what it would
+    give the flat buffer as its grad, bit for bit, every element (stale values, padding and
+    the unused leaf's zeros included), and leaves ``flat.grad`` unset."""
+    tree = odd_tree(dtype)
+    layout = make_layout(tree, world_size, alignment=4, bucket_numel=bucket_numel)
+    flat = flatten(tree, layout)
+    run = torch.compile if compiled else (lambda f: f)
+    plain = run(lambda f, like: odd_loss(unflatten(f, layout, like=like)))
+    into = run(lambda f, buf, like: odd_loss(unflatten(f, layout, like=like, grads_into=buf)))
+    leaf = flat.detach().requires_grad_()
+    plain(leaf, tree).backward()
+    expected = leaf.grad
+    buf = torch.full_like(flat, float("nan"))
+    for factor in (2.0, 1.0):  # the second backward overwrites the first one's grads
+        leaf = flat.detach().requires_grad_()
+        (into(leaf, buf, tree) * factor).backward()
+    assert leaf.grad is None
+    assert torch.equal(buf, expected)
+    b0 = layout.offsets[0]
+    assert torch.all(buf[b0 : b0 + 1] == 0)
+
+
+def test_compiled_grads_into_writes_no_buffer_of_the_whole_size():
+    """Compiled, each grad is written where it belongs in ``grads_into``: the backward
+    allocates nothing of the flat buffer's size (without it, its grad is a new buffer)."""
+    from helpers import compiled_buffers
+
+    tree = odd_tree()
+    layout = make_layout(tree, 2, alignment=4)
+    flat = flatten(tree, layout)
+    buf = torch.zeros_like(flat)
+    step = lambda f, g: torch.compile(lambda f, g, like: odd_loss(unflatten(f, layout, like=like, grads_into=g)))(  # noqa: E731
+        f, g, tree).backward()
+    _, made = compiled_buffers(step, flat.detach().requires_grad_(), buf)
+    assert (layout.padded_numel, "float32") not in made
+    _, made = compiled_buffers(lambda f: torch.compile(lambda f, like: odd_loss(unflatten(f, layout, like=like)))(
+        f, tree).backward(), flat.detach().requires_grad_())
+    assert (layout.padded_numel, "float32") in made  # the check sees the buffer where there is one
+
+
+def test_grads_into_rejects_a_buffer_unlike_the_params():
+    tree = odd_tree(torch.float16)
+    layout = make_layout(tree, 2, alignment=4)
+    flat = flatten(tree, layout)
+    for bad, what in [(torch.zeros(layout.padded_numel - 1, dtype=torch.float16), "of shape"),
+                      (torch.zeros_like(flat, dtype=torch.float32), "torch.float32"),
+                      (torch.zeros_like(flat).requires_grad_(), "requiring grad")]:
+        with pytest.raises(ValueError, match=what):
+            unflatten(flat, layout, grads_into=bad)
+    with pytest.raises(ValueError, match="shares memory with the flat params"):
+        unflatten(flat, layout, grads_into=flat[:])
