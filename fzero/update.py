@@ -154,9 +154,11 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
         tails = torch.cat([t.to(dtype) for t in tails] + [tails[0].new_zeros(pad, dtype=dtype)])
         rows.append(tails.view(-1, NORM_ROW))
     if scaled:
-        norms = [_scaled_row_norms(r) for r in rows]
-    else:
-        norms = [torch.linalg.vector_norm(r, dim=1, dtype=dtype) for r in rows]
+        # Summed part by part, not concatenated first: the row norms then need no buffer, and
+        # inductor runs each row's largest magnitude and its scaled sum of squares in one loop
+        # over the grads, where it ran two.
+        return sum(_scaled_row_norms(r).square().sum() for r in rows)
+    norms = [torch.linalg.vector_norm(r, dim=1, dtype=dtype) for r in rows]
     return torch.cat(norms).double().square().sum()
 
 
