@@ -312,8 +312,10 @@ def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:
         raise ValueError(f"unflatten: grads_into is {got[1]} of shape {got[0]} on {got[2]}"
                          f"{' requiring grad' if into.requires_grad else ''}; it must be a buffer like the flat "
                          f"params: {flat.dtype} of shape {tuple(flat.shape)} on {flat.device}, not requiring grad")
+    from .checks import shared_memory  # fzero.checks imports this module
+
     # data pointers exist on real tensors only, not on the fakes torch.compile traces with
-    if not compiling() and into.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+    if not compiling() and shared_memory([into, flat]) is not None:
         raise ValueError("unflatten: grads_into shares memory with the flat params; backward would overwrite "
                          "the params with their grads")
 

@@ -154,7 +154,7 @@ def test_grads_into_is_the_flat_grad_written_in_place(dtype, world_size, bucket_
 
 
 def test_compiled_grads_into_writes_no_buffer_of_the_whole_size():
-    """Compiled, each grad is written where it belongs in ``grads_into``: the backward
+    """Compiled, the leaves' grads are concatenated into ``grads_into``: the backward
     allocates nothing of the flat buffer's size (without it, its grad is a new buffer)."""
     from helpers import compiled_buffers
 
@@ -180,5 +180,9 @@ def test_grads_into_rejects_a_buffer_unlike_the_params():
                       (torch.zeros_like(flat).requires_grad_(), "requiring grad")]:
         with pytest.raises(ValueError, match=what):
             unflatten(flat, layout, grads_into=bad)
-    with pytest.raises(ValueError, match="shares memory with the flat params"):
-        unflatten(flat, layout, grads_into=flat[:])
+    both = torch.zeros(2 * layout.padded_numel, dtype=torch.float16)
+    flat, overlapping = both[: layout.padded_numel], both[1 : layout.padded_numel + 1]
+    for alias in (flat[:], overlapping):
+        with pytest.raises(ValueError, match="shares memory with the flat params"):
+            unflatten(flat, layout, grads_into=alias)
+    unflatten(flat, layout, grads_into=both[layout.padded_numel :])  # beside it in one storage: fine
