@@ -296,7 +296,10 @@ def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_int
     (``flat.grad`` stays ``None``). A buffer kept across steps and handed to ``engine.step``
     as the flat grads: no new grads buffer each step (on a CPU, a new buffer above glibc's
     mmap threshold is fresh pages from the kernel every time). Each leaf's grad is made on
-    its own and one concatenation lays them out into ``grads_into``."""
+    its own and one concatenation lays them out into ``grads_into``. Each backward
+    *overwrites* it, where ``flat.grad`` would accumulate over backward calls: for several
+    micro-batches, add each one's grads up before the step. For ``loss.backward()``; under
+    ``torch.func.grad`` differentiate ``flat`` itself."""
     if flat.ndim != 1 or flat.numel() != layout.padded_numel:
         raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, layout needs ({layout.padded_numel},)")
     if grads_into is not None:
@@ -314,8 +317,12 @@ def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:
                          f"params: {flat.dtype} of shape {tuple(flat.shape)} on {flat.device}, not requiring grad")
     from .checks import shared_memory  # fzero.checks imports this module
 
-    # data pointers exist on real tensors only, not on the fakes torch.compile traces with
-    if not compiling() and shared_memory([into, flat]) is not None:
+    if compiling():  # data pointers exist on real tensors only, not on the fakes dynamo traces with
+        return
+    if torch._C._functorch.is_functorch_wrapped_tensor(flat):
+        raise ValueError("unflatten: grads_into is where loss.backward() writes the grads; under a torch.func "
+                         "transform (grad, vjp) leave it out and differentiate the flat params themselves")
+    if shared_memory([into, flat]) is not None:
         raise ValueError("unflatten: grads_into shares memory with the flat params; backward would overwrite "
                          "the params with their grads")
 

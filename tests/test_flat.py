@@ -186,3 +186,5 @@ def test_grads_into_rejects_a_buffer_unlike_the_params():
         with pytest.raises(ValueError, match="shares memory with the flat params"):
             unflatten(flat, layout, grads_into=alias)
     unflatten(flat, layout, grads_into=both[layout.padded_numel :])  # beside it in one storage: fine
+    with pytest.raises(ValueError, match="under a torch.func transform"):
+        torch.func.grad(lambda f: unflatten(f, layout, grads_into=torch.zeros_like(f))["z"].float().sum())(flat)
