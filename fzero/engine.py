@@ -272,7 +272,10 @@ class Engine:
             grads = torch.func.grad(lambda f: loss_fn(fzero.unflatten(f, engine.layout), batch))(flat)
             flat, state, scaler_state, info = engine.step(flat, grads, state, scaler_state)
 
-        With ``donate=True`` the buffer stays the same across steps."""
+        With ``donate=True`` the buffer stays the same across steps. With ``loss.backward()``
+        instead of ``torch.func``, ``fzero.unflatten(flat, engine.layout, like=params,
+        grads_into=grads)`` has backward write the grads into a buffer kept across steps
+        (``examples/recipe.py: make_train_step``)."""
         path = self._ready().grads
         leaves = checks.check_like_layout(params, path.layout, what="params", device=path.device, dtype=self.param_dtype)
         return flat_buffer(leaves, path.layout)
