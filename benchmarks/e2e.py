@@ -146,7 +146,7 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
     elif variant == "grads-buffer":
         train_step = grads_buffer_train_step(engine, loss_fn)
     elif variant == "new-grads":
-        train_step = new_grads_train_step(engine, loss_fn)
+        train_step = make_train_step(engine, loss_fn, compile=True, keep_grads=False)
     else:  # "overlapped": engine.grad_and_value (reduce-scatter inside eager backward), compiled step
         train_step = overlapped_train_step(engine, loss_fn, torch.compile(engine.step, fullgraph=True))
 
@@ -154,24 +154,6 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)
 
     return step
-
-
-def new_grads_train_step(engine, loss_fn):
-    """``make_train_step``'s step with the flat buffer's grads taken as autograd makes them
-    (``flat.grad``): a new ``[padded_numel]`` buffer from each backward, where the main job's
-    backward writes into one kept across steps (``fzero.unflatten(..., grads_into=)``)."""
-    optimizer_step = torch.compile(engine.step, fullgraph=True)
-    loss_of_flat = torch.compile(lambda flat, batch, like: loss_fn(fzero.unflatten(flat, engine.layout, like=like), batch))
-
-    def train_step(params, state, scaler_state, batch):
-        flat = engine.flat_params(params)
-        leaf = flat.detach().requires_grad_()
-        loss = loss_of_flat(leaf, batch, params)
-        fzero.scale_loss(loss, scaler_state).backward()
-        flat, state, scaler_state, info = optimizer_step(flat, leaf.grad, state, scaler_state)
-        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
-
-    return train_step
 
 
 def grads_buffer_train_step(engine, loss_fn):

@@ -88,7 +88,7 @@ def make_mesh(spec, device: torch.device):
 
 
 # ---------------------------------------------------------------- the step
-def make_train_step(engine, loss_fn, *, compile: bool):
+def make_train_step(engine, loss_fn, *, compile: bool, keep_grads: bool = True):
     """``train_step(params, state, scaler_state, batch) -> (params, state, scaler_state, loss,
     info)``: one optimizer step with no host sync. ``loss`` is this rank's unscaled loss and
     ``info`` the engine's, 0-d tensors on the device.
@@ -98,8 +98,10 @@ def make_train_step(engine, loss_fn, *, compile: bool):
     * ``compile`` with one bucket (train.py's default): the loss is a compiled function of the
       flat param buffer (``engine.flat_params``; the leaves are views of it, ``fzero.unflatten``),
       so its compiled backward writes the grads straight into one flat buffer, laid out for
-      ``engine.step``, which reduce-scatters it: the same buffer every step (``grads_into``).
-      One bucket has nothing to overlap with backward.
+      ``engine.step``, which reduce-scatters it: the same buffer every step (``grads_into``;
+      ``keep_grads=False``: a new one from each backward, ``flat.grad``, as
+      ``benchmarks/e2e.py --variants new-grads`` measures it). One bucket has nothing to
+      overlap with backward.
     * Several buckets (``--bucket-mb``), or not ``compile``: ``engine.grad_and_value``, each
       bucket's reduce-scatter started inside backward while backward goes on (eager only).
 
@@ -118,15 +120,16 @@ def make_train_step(engine, loss_fn, *, compile: bool):
 
     def train_step(params, state, scaler_state, batch):
         flat = engine.flat_params(params)
-        if not grads_buffer:
+        if keep_grads and not grads_buffer:
             grads_buffer.append(torch.zeros_like(flat))
-        grads = grads_buffer[0]
+        grads = grads_buffer[0] if keep_grads else None
         leaf = flat.detach().requires_grad_()  # an autograd leaf aliasing the buffer: no copy
         loss = loss_of_flat(leaf, grads, batch, params)
         fzero.scale_loss(loss, scaler_state).backward()  # writes every element of ``grads``
         # The step on the flat buffer: compiled, it writes the new params in the update's own
         # pass; a pytree costs a pass per leaf (docs/performance.md).
-        flat, state, scaler_state, info = optimizer_step(flat, grads, state, scaler_state)
+        flat, state, scaler_state, info = optimizer_step(flat, leaf.grad if grads is None else grads, state,
+                                                         scaler_state)
         return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
 
     return train_step

@@ -315,10 +315,10 @@ def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:
         raise ValueError(f"unflatten: grads_into is {got[1]} of shape {got[0]} on {got[2]}"
                          f"{' requiring grad' if into.requires_grad else ''}; it must be a buffer like the flat "
                          f"params: {flat.dtype} of shape {tuple(flat.shape)} on {flat.device}, not requiring grad")
-    from .checks import shared_memory  # fzero.checks imports this module
-
     if compiling():  # data pointers exist on real tensors only, not on the fakes dynamo traces with
         return
+    from .checks import shared_memory  # fzero.checks imports this module
+
     if torch._C._functorch.is_functorch_wrapped_tensor(flat):
         raise ValueError("unflatten: grads_into is where loss.backward() writes the grads; under a torch.func "
                          "transform (grad, vjp) leave it out and differentiate the flat params themselves")

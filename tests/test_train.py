@@ -729,3 +729,27 @@ def test_train_step_makes_no_host_sync_and_compiles_once():
     assert records[-1]["skipped_total"] == sum(r["found_inf"] for r in records)
     assert all(r["loss"] > 0 for r in records)
     assert all((r["grad_norm"] is None) == r["found_inf"] for r in records)
+
+
+def test_train_step_keeps_its_grads_buffer_and_trains_as_with_a_new_one_each_step():
+    """``make_train_step`` (compiled, one bucket) has backward write the flat grads into one
+    buffer kept across steps (``grads_into``); with ``keep_grads=False`` it takes ``flat.grad``,
+    a new buffer from each backward. The same params, bit for bit, step after step."""
+    train_py = load_train_module()
+    args = train_py.parse_args([*SMALL_GPT, "--dtype", "fp16", "--steps", "5"])
+    train_py.check_args(args, 1)
+    data = train_py.load_data(args)
+    results = {}
+    for keep in (True, False):
+        params_fp32, loss_fn, _ = train_py.build(args, data, torch.device("cpu"))
+        engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.float16, donate=True)
+        params, state, scaler_state = engine.init(params_fp32)
+        train_step = train_py.make_train_step(engine, loss_fn, compile=True, keep_grads=keep)
+        history = []
+        for step in range(1, 5):
+            batch = data.get_batch("train", step, args.batch_size, args.seed)
+            params, state, scaler_state, loss, info = train_step(params, state, scaler_state, batch)
+            history.append(fzero.flatten(params, engine.layout).clone())
+        results[keep] = history
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    assert not torch.equal(results[True][0], results[True][-1])  # it trained
