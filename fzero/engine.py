@@ -30,6 +30,7 @@ from . import checks, lineage, stages
 from .binding import Binding, ZeroState, config_table, fresh_state, to_state_device
 from .comm import Comm, SimulatedComm, comm_of_mesh
 from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
+from .leafwise import LeafUpdate
 from .grads import Accumulated, GradFn, GradPath
 from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
@@ -142,6 +143,10 @@ class Engine:
             self._bound = bound
             self._context = context.prepare() if self.tx.needs_context else context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
+            if self._leafwise(bound, device):
+                sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
+                leaves = LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype)
+                self._compiled_update = self._compiled_update._replace(leaves=leaves)
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "
                              "transform state) by an earlier init; build a new engine with fzero.zero1 for them")
@@ -288,10 +293,22 @@ class Engine:
     def _begin(self, params: Any) -> tuple[Binding, StepMode]:
         """The binding and the ``StepMode`` of a call that takes ``params`` (checked)."""
         b = self._bound or self._checked(False)  # raises before init
+        flat_in = b.grads.check(params, "params")
         mode = StepMode.choose(has_fused=self.tx.fused is not None, donate=self.donate, chunk_numel=self.chunk_numel,
                                param_dtype=self.param_dtype, world_size=self.comm.world_size,
-                               state_device=b.state_device, flat_in=b.grads.check(params, "params"))
+                               state_device=b.state_device, flat_in=flat_in,
+                               leafwise=self._compiled_update.leaves is not None)
         return self._checked(mode.compiled), mode
+
+    def _leafwise(self, b: Binding, device: torch.device) -> bool:
+        """Whether a compiled step from a params pytree may run its update leaf by leaf
+        (``fzero.leafwise``): at world size 1, the state where the params are, an FP32 master
+        beside FP16 or BF16 params, a transform elementwise on any slice (no blocks, no context)
+        whose state is ``[S]`` and 0-d tensors."""
+        S = b.grads.layout.shard_numel
+        return (self.comm.world_size == 1 and b.state_device == device and self.master == "fp32"
+                and self.param_dtype != torch.float32 and self.tx.block == 1 and not self.tx.needs_context
+                and all(shape in ((S,), ()) for _, shape, _ in b.tx_leaves))
 
     def _checked(self, compiled: bool) -> Binding:
         if self._bound is None:

@@ -31,6 +31,7 @@ import torch
 from . import backward, checks
 from .comm import Comm, SimulatedComm
 from .flat import Layout, concat, flatten_buckets, split_buckets, unflatten
+from .mode import compiling
 from .scaler import LossScaleState, scale_loss
 
 __all__ = ["Accumulated", "Unreduced", "Reduced", "Segments", "GradPath", "GradFn"]
@@ -74,7 +75,8 @@ class Reduced(NamedTuple):
 class Segments(NamedTuple):
     """An ``[S]`` grads shard in pieces, read chunk by chunk in FP32 (the eager fused update):
     ``parts[i]`` (1-D, any float dtype) holds elements ``[starts[i], starts[i] + numel)``, in
-    order, not overlapping; elements no piece covers are zero (padding). A reduced shard is one
+    order (eager; ``GradPath.segments`` traced: in the leaves' order), not overlapping; elements
+    no piece covers are zero (padding). A reduced shard is one
     piece; at world size 1, the grad leaves. ``owned``: the pieces may be overwritten."""
 
     parts: tuple[torch.Tensor, ...]
@@ -184,8 +186,13 @@ class GradPath:
         """A grads pytree or flat buffer, checked, as ``Segments`` of the flat ``[N*S]`` order
         (this rank's shard at world size 1): one piece per leaf (views of a flat buffer)."""
         flat = self.check(grads, "grads")
-        leaves = optree.tree_leaves(unflatten(grads, self.layout)) if flat else self.layout.treespec.flatten_up_to(grads)
-        order = sorted(range(len(leaves)), key=lambda i: self.layout.offsets[i])  # buckets fill in reverse
+        # (checked: a pytree has the layout's structure, so its leaves are the layout's leaves)
+        leaves = optree.tree_leaves(unflatten(grads, self.layout) if flat else grads)
+        # Ordered by offset (buckets fill in reverse); traced, in the leaves' order: dynamo may
+        # trace the layout's ints as symbols, which it cannot sort, and the traced readers (the
+        # compiled norm, fzero.leafwise) take the pieces in any order.
+        n = len(leaves)
+        order = range(n) if compiling() else sorted(range(n), key=lambda i: self.layout.offsets[i])
         return Segments(tuple(leaves[i].reshape(-1) for i in order), tuple(self.layout.offsets[i] for i in order),
                         self.layout.padded_numel, False)
 

@@ -31,14 +31,17 @@ class StepMode:
     (``None``: the whole shard at once). ``state_device``: where master and transform state
     live (the host with ``offload``): the update runs there. ``flat_in``: the params were
     given as the flat buffer. ``donate``: results go into the inputs' buffers.
-    ``cast_into_params``: fused, donated, at world size 1 the params shard is the whole
-    buffer: the update casts straight into the params' own buffer and there is nothing to
-    gather. ``write_params``: donated, the gathered params are written into the given ones;
+    ``cast_into_params``: fused or ``leafwise``, donated, at world size 1 the params shard is
+    the whole buffer: the update casts straight into the params' own buffer and there is
+    nothing to gather. ``write_params``: donated, the gathered params are written into the given ones;
     not for FP16/BF16 leaves of a compiled pytree, where inductor would keep the new FP32
     master in a shard-sized temporary to cast each leaf from (cheaper: a new buffer, see
     docs/performance.md); FP32 params are the master itself. ``own_buffer``: the params' own
     flat buffer may be looked up (it is the input, or eager: compiled, a pytree's leaves are
-    laid out instead)."""
+    laid out instead). ``leafwise``: compiled from a params pytree at world size 1, for a
+    transform and master storage that allow it (the engine's ``leafwise``,
+    ``fzero.leafwise``): the update runs leaf by leaf in one opaque op, reading the grads as
+    ``Segments`` (the leaves as they are); donated, it casts into the params' own buffer."""
 
     compiled: bool
     fused: bool
@@ -49,12 +52,14 @@ class StepMode:
     cast_into_params: bool
     write_params: bool
     own_buffer: bool
+    leafwise: bool
 
     @classmethod
     def choose(cls, *, has_fused: bool, donate: bool, chunk_numel: int | None, param_dtype: torch.dtype,
-               world_size: int, state_device: torch.device, flat_in: bool) -> "StepMode":
+               world_size: int, state_device: torch.device, flat_in: bool, leafwise: bool) -> "StepMode":
         compiled = compiling()
         fused = has_fused and not compiled
+        leafwise = compiled and not flat_in and world_size == 1 and leafwise
         return cls(
             compiled=compiled,
             fused=fused,
@@ -62,7 +67,8 @@ class StepMode:
             state_device=state_device,
             flat_in=flat_in,
             donate=donate,
-            cast_into_params=fused and donate and world_size == 1,
+            cast_into_params=(fused or leafwise) and donate and world_size == 1,
             write_params=donate and (flat_in or not compiled or param_dtype == torch.float32),
             own_buffer=flat_in or not compiled,
+            leafwise=leafwise,
         )

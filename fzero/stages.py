@@ -20,8 +20,9 @@ __all__ = ["Checked", "reduce", "norm_and_overflow", "update", "gather", "own_bu
 def reduce(path: GradPath, grads: Any, mode: StepMode) -> Reduced:
     """This rank's ``[S]`` shard of the grads over ranks; ``shard * factor`` is their mean (the
     user's grads take one of two forms at the door, see ``fzero.grads``). Fused, the shard is
-    read as ``Segments``, chunk by chunk: at world size 1 the grad leaves."""
-    return path.reduce(path.to_form(grads, segments=mode.fused, donated=mode.donate))
+    read as ``Segments``, chunk by chunk: at world size 1 the grad leaves (also for the
+    compiled update leaf by leaf, ``mode.leafwise``)."""
+    return path.reduce(path.to_form(grads, segments=mode.fused or mode.leafwise, donated=mode.donate))
 
 
 class Checked(NamedTuple):
@@ -103,10 +104,22 @@ def own_buffer(params: Any, layout: Layout, flat_in: bool) -> torch.Tensor | Non
         return None
 
 
-def cast_target(params: Any, layout: Layout, mode: StepMode) -> torch.Tensor | None:
+def cast_target(params: Any, layout: Layout, mode: StepMode) -> torch.Tensor | tuple | None:
     """Where the update casts the params shard: the params' own buffer with
-    ``mode.cast_into_params`` (if they are views of one), else ``None`` (a new tensor)."""
-    return own_buffer(params, layout, mode.flat_in) if mode.cast_into_params else None
+    ``mode.cast_into_params`` (if they are views of one), else ``None`` (a new tensor).
+
+    With ``mode.leafwise`` and ``mode.cast_into_params`` (traced, where storages and offsets
+    cannot be read): ``(buffer, leaves, offsets)``, the buffer the params init and step return
+    are views of (at the layout's offsets) as the ``[padded_numel, 1]`` view of the first leaf's
+    memory from its start, with the leaves and those offsets; the update checks them, eagerly,
+    before it writes (``fzero.leafwise.check_in_buffer``). 2-D: functionalization would take a
+    1-D view of that shape for a slice of a 1-D first leaf, and regenerate it clamped to it."""
+    if not mode.cast_into_params:
+        return None
+    if mode.leafwise:
+        leaves = optree.tree_leaves(params)
+        return leaves[0].as_strided((layout.padded_numel, 1), (1, 1), 0), leaves, list(layout.offsets)
+    return own_buffer(params, layout, mode.flat_in)
 
 
 def params_shard(params: Any, layout: Layout, rank: int, mode: StepMode) -> torch.Tensor:

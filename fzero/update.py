@@ -26,7 +26,7 @@ from .mode import StepMode, compiling
 from .remainder import round_bf16
 
 __all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_chunks", "generic_whole", "compiled_whole",
-           "compiled_update", "CompiledUpdate", "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
+           "compiled_leaves", "compiled_update", "CompiledUpdate", "COMPILE_NUMEL", "sum_of_squares", "cast_params", "write_into", "NORM_BLOCK", "NORM_ROW"]
 
 
 def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
@@ -82,10 +82,12 @@ def _update_into(tx, g, master, tx_state, skip, norm, param_dtype, outs):
 
 class CompiledUpdate(NamedTuple):
     """An engine's compiled updates: ``whole`` is ``_update`` (``compiled_whole``), ``into`` is
-    ``_update_into`` (``compiled_chunks``)."""
+    ``_update_into`` (``compiled_chunks``), ``leaves`` the engine's ``fzero.leafwise.LeafUpdate``
+    (``compiled_leaves``; ``None`` where the step never takes it)."""
 
     whole: Any
     into: Any
+    leaves: Any = None
 
 
 def _own_compile(fn):
@@ -338,6 +340,18 @@ def _by_chunks(update_into, tx, grads: ShardGrads, master, tx_state, skip, norm,
     return outs[0], optree.tree_map(lambda o: o if sized(o) else next(scalars), outs[1]), outs[2]
 
 
+def compiled_leaves(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk, donate,
+                    out, compiled):
+    """The compiled step from a grads pytree at world size 1 (``mode.leafwise``): the update as
+    one opaque op that runs a compiled loop per grad leaf, reading each where it is
+    (``fzero.leafwise``). With ``donate``, master and moments are written in place and the
+    params cast into their own buffer (``out``: ``(buffer, leaves, offsets)``,
+    ``stages.cast_target``); pure, into new tensors, each written once. The grads' mean is taken
+    as ``ShardGrads.mean`` takes it."""
+    mean_factor = scalar(grads.factor / (grads.scale * grads.count))
+    return compiled.leaves(grads.segments(), mean_factor, master, tx_state, skip, norm, out)
+
+
 COMPILE_NUMEL = 2**20  # eager shards from this size up compile their update when it has no fused kernel
 
 
@@ -360,6 +374,8 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops). A transform
     that ``needs_context`` takes the whole shard: ``generic_whole``, or on such a CPU shard
     ``compiled_whole``."""
+    if mode.leafwise:
+        return compiled_leaves, None
     # eager on a large CPU shard, outside a dispatch mode (torch.compile does not run under one)
     compile_it = (mode.chunk is not None and not mode.compiled and numel >= COMPILE_NUMEL
                   and _get_current_dispatch_mode() is None)

@@ -79,6 +79,18 @@ def grads_like(params, seed, scale=1.0):
     return optree.tree_map(lambda p: torch.randn(p.shape, generator=g) * scale, params)
 
 
+def grads_seq(p0, dtype, scale, n=5, bad_step=2):
+    """``n`` grads pytrees like ``p0`` (``odd_params``) times ``scale`` in ``dtype``, the one at
+    ``bad_step`` with an inf in leaf ``w``."""
+    seq = []
+    for i in range(n):
+        g = optree.tree_map(lambda x: (x * scale).to(dtype), grads_like(p0, i))
+        if i == bad_step:
+            g["w"][1, 1] = float("inf")
+        seq.append(g)
+    return seq
+
+
 def master_tx():
     """The transform the master-storage tests train with: clipping, AdamW with decay on matrices."""
     return transforms.chain(transforms.clip_by_global_norm(0.5),

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 import fzero
 from fzero import transforms
 from distributed import run_ranks
-from helpers import assert_compiled_state_close, compiled_buffers, forbid_host_syncs, grads_like, odd_params
+from helpers import assert_compiled_state_close, compiled_buffers, forbid_host_syncs, grads_like, grads_seq, odd_params
 
 
 def tx():
@@ -18,16 +18,6 @@ def tx():
         transforms.clip_by_global_norm(5.0),
         transforms.adamw(lr=1e-2, weight_decay=0.1, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
     )
-
-
-def grads_seq(p0, dtype, scale, n=5, bad_step=2):
-    seq = []
-    for i in range(n):
-        g = optree.tree_map(lambda x: (x * scale).to(dtype), grads_like(p0, i))
-        if i == bad_step:
-            g["w"][1, 1] = float("inf")
-        seq.append(g)
-    return seq
 
 
 def run(step, engine, p0, seq, *, lr_at=None):
@@ -54,8 +44,10 @@ def test_compiled_step_equals_eager_and_never_recompiles(param_dtype):
     engine = fzero.zero1(tx(), param_dtype=param_dtype, loss_scale=scaling, donate=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         c_params, c_state, c_ss, c_infos = run(torch.compile(engine.step, fullgraph=True), engine, p0, seq, lr_at=3)
-    # one graph served every step: the loss scale changed (backoff, growth) and so did lr
-    assert counters["stats"]["unique_graphs"] == 1
+    # one graph served every step: the loss scale changed (backoff, growth) and so did lr; besides
+    # it, the update leaf by leaf (fzero.leafwise) compiled once per dispatch state it ran in
+    update_graphs = len(engine._compiled_update.leaves._compiled)
+    assert update_graphs in (1, 2) and counters["stats"]["unique_graphs"] == 1 + update_graphs
     assert [bool(i["found_inf"]) for i in c_infos] == [bool(i["found_inf"]) for i in e_infos] == [False, False, True, False, False]
     assert len({float(i["loss_scale"]) for i in c_infos}) > 1 or scaling is None
     for a, b in zip(optree.tree_leaves((c_state, c_ss)), optree.tree_leaves((e_state, e_ss))):

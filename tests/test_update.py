@@ -33,7 +33,7 @@ def shard_problem(S=1000, seed=0):
 
 def mode(**kw):
     base = dict(compiled=False, fused=True, chunk=None, state_device=torch.device("cpu"), flat_in=True,
-                donate=False, cast_into_params=False, write_params=False, own_buffer=True)
+                donate=False, cast_into_params=False, write_params=False, own_buffer=True, leafwise=False)
     return StepMode(**{**base, **kw})
 
 
@@ -104,7 +104,8 @@ def test_choose_compiles_the_chunks_for_bf16_or_8_bit_state_from_compile_numel_u
 
 
 def test_step_mode_decides_each_mode_once():
-    kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"))
+    kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"),
+              leafwise=True)
     m = StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)
     assert (m.compiled, m.fused, m.chunk, m.cast_into_params, m.write_params, m.own_buffer) == (False, True, 256, True, True, True)
     m = StepMode.choose(donate=True, world_size=2, flat_in=False, **kw)
@@ -113,8 +114,15 @@ def test_step_mode_decides_each_mode_once():
     assert not m.fused and not m.cast_into_params and not m.write_params
     compiled = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)),
                              fullgraph=True, backend="eager")(torch.zeros(1))[1]
-    assert compiled.compiled and not compiled.fused and compiled.chunk is None and not compiled.cast_into_params
+    assert compiled.compiled and not compiled.fused and compiled.chunk is None
     assert not compiled.write_params and not compiled.own_buffer  # FP16 pytree leaves: a new buffer
+    # compiled from a pytree at world size 1, where the engine allows it: cast leaf by leaf into
+    # the params' own buffer
+    assert compiled.leafwise and compiled.cast_into_params and not m.leafwise
+    plain = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False,
+                                                        **{**kw, "leafwise": False})),
+                          fullgraph=True, backend="eager")(torch.zeros(1))[1]
+    assert not plain.leafwise and not plain.cast_into_params
 
 
 def test_write_into_copies_every_new_tensor_into_the_old_one():

@@ -1,0 +1,188 @@
+"""The compiled step's update from a grads pytree, leaf by leaf, as one opaque op.
+
+Compiled from a grads pytree at world size 1, the update reads each grad leaf and writes each
+leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers
+the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never fuses into the
+consumer), and a write into a slice of a graph input becomes, after functionalization, one
+masked pass over the whole state per leaf. So the step hands the update to a custom op, which
+the traced graph keeps whole: ``fzero::update_leaves`` (``donate=True``) mutates the master, the
+transform's ``[S]`` state and the params' flat buffer; ``fzero::updated_leaves`` (the pure step)
+returns new ones, each written once. Its body cuts each leaf's slices outside any graph and
+passes them, each an input of its own, to one graph per engine, compiled at the first step
+(``torch.compile`` of ``_update_leaves``): one loop per leaf, reading the grad leaf and writing
+master, moments and params, as the eager step's compiled chunks do
+(``fzero.update.compiled_chunks``).
+
+A custom op's schema carries tensors and numbers; the transform and its state's structure reach
+the body through ``LeafUpdate.key``, the entry each engine makes in ``_UPDATES`` at ``init`` (a
+weak dictionary: an engine's entry goes with its ``LeafUpdate``).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import optree
+import torch
+
+from .grads import Segments
+from .update import _own_compile, _update_into
+
+__all__ = ["LeafUpdate"]
+
+_UPDATES: "weakref.WeakValueDictionary[int, LeafUpdate]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+class LeafUpdate:
+    """One engine's leaf-by-leaf update: ``tx`` (the transform as it runs on the shard, with
+    ``block == 1`` and no ``needs_context``: elementwise on any slice), the structure of its state
+    ``spec`` with ``sized[i]`` whether leaf ``i`` is an ``[S]`` tensor (else 0-d), the
+    ``param_dtype``, and the graph compiled for them (at the first step)."""
+
+    def __init__(self, tx, spec: optree.PyTreeSpec, sized: tuple[bool, ...], param_dtype: torch.dtype):
+        self.tx, self.spec, self.sized, self.param_dtype = tx, spec, sized, param_dtype
+        self._compiled: dict[tuple, Any] = {}
+        self.key = next(_KEYS)
+        _UPDATES[self.key] = self
+
+    def __call__(self, grads: Segments, mean_factor: torch.Tensor, master: torch.Tensor, tx_state: Any,
+                 skip: torch.Tensor, norm: torch.Tensor, into: tuple | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """The update of the ``[S]`` shard (the whole buffer at world size 1). ``into``:
+        ``(params, leaves, offsets)`` with ``donate``: ``master`` and ``tx_state``'s ``[S]``
+        tensors are written in place and the params cast into ``params``, their flat buffer
+        (as an ``[S, 1]`` view, ``stages.cast_target``) whose views the param ``leaves`` must
+        be, at ``offsets`` (checked before anything
+        is written: ``check_in_buffer``); ``None`` for the pure step: new tensors, the inputs
+        untouched. ``grads * mean_factor`` is the FP32 mean unscaled grads
+        (``ShardGrads.mean``). Returns ``(master, tx_state, params shard)``; ``tx_state``'s 0-d
+        leaves (``count``, ...) are new tensors."""
+        state = optree.tree_leaves(tx_state)  # traced: a PyTreeSpec's methods are not
+        sized, scalars = [x for x in state if x.ndim], [x for x in state if not x.ndim]
+        pieces = (list(grads.parts), list(grads.starts), mean_factor, skip, norm)
+        if into is None:
+            new = torch.ops.fzero.updated_leaves(self.key, master, sized, scalars, *pieces, self.param_dtype)
+            new_sized, new_scalars = iter(new[1:1 + len(sized)]), iter(new[1 + len(sized):-1])
+            tx_state = optree.tree_map(lambda x: next(new_sized) if x.ndim else next(new_scalars), tx_state)
+            return new[0], tx_state, new[-1]
+        params, leaves, offsets = into
+        new_scalars = [torch.empty_like(x) for x in scalars]
+        torch.ops.fzero.update_leaves(self.key, master, sized, scalars, *pieces, params, leaves, offsets, new_scalars)
+        new = iter(new_scalars)
+        return master, optree.tree_map(lambda x: x if x.ndim else next(new), tx_state), params
+
+    def compiled(self):
+        """``_update_leaves`` compiled for the dispatcher's thread-local state it is called in.
+        Dynamo guards a graph on that state, and the op's first call in a compiled step runs
+        under a dispatch mode that torch's runtime wraps around it (torch 2.13:
+        ``_AnalyzeCustomOpInputOutputMode``, which checks custom ops' aliasing once): one copy
+        per state, each compiled once, instead of a recompile at the second step (which
+        ``error_on_recompile`` would turn into an error)."""
+        state = (str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set()),
+                 torch.is_grad_enabled())
+        if state not in self._compiled:
+            self._compiled[state] = _own_compile(_update_leaves)
+        return self._compiled[state]
+
+
+def _update_leaves(tx, grads, mean_factor, ins, params, skip, norm, param_dtype, outs=None):
+    """``_update_into`` of each piece: ``grads[i]`` (any shape, any float dtype) times
+    ``mean_factor`` on ``ins[i] = (master, tx_state)``, slices of the state, written into
+    ``outs[i]`` (slices of new tensors; ``None``: into ``ins[i]``, in place), the params cast
+    into ``params[i]``. Returns the new state's 0-d leaves (every piece computes the same ones)."""
+    scalars = []
+    for i, (g, (master, tx_state), p) in enumerate(zip(grads, ins, params)):
+        into = (*(ins[i] if outs is None else outs[i]), p)
+        scalars = _update_into(tx, g.reshape(-1).float() * mean_factor, master, tx_state, skip, norm, param_dtype, into)
+    return scalars
+
+
+def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, norm, params, into=None) -> list:
+    """Both ops' work: the update of ``master`` and the ``[S]`` ``state`` (with the 0-d
+    ``scalars``, the state's leaves in ``LeafUpdate.sized`` order), one piece per grads piece
+    (``grads[i]`` holds elements from ``starts[i]``, in any order; the elements between pieces,
+    padding, from zero grads, as the flat step updates them), written into ``into = (master,
+    state)``, ``[S]`` tensors (``None``: in place), the params cast into ``[S]`` ``params``.
+    Returns the new 0-d leaves.
+
+    The in-place and the pure update call differently shaped graphs (``outs`` given or not),
+    never one graph with its inputs aliased in two ways: torch's AOT autograd cache (torch 2.13)
+    keyed the two alike, and a pure step given the in-place graph from the cache wrote nothing."""
+    u = _UPDATES[key]
+    pieces, pos = [], 0
+    for s, g in sorted(zip(starts, grads), key=lambda sg: sg[0]):
+        if s > pos:
+            pieces.append((pos, master.new_zeros(s - pos)))
+        pieces.append((s, g))
+        pos = s + g.numel()
+    if pos < master.numel():
+        pieces.append((pos, master.new_zeros(master.numel() - pos)))
+
+    def tree(sized, lo, hi):  # the transform state of elements [lo, hi)
+        sized, scalar = iter(sized), iter(scalars)
+        return u.spec.unflatten([next(sized)[lo:hi] if s else next(scalar) for s in u.sized])
+
+    spans = [(lo, lo + g.numel()) for lo, g in pieces]
+    ins = [(master[lo:hi], tree(state, lo, hi)) for lo, hi in spans]
+    outs = None if into is None else [(into[0][lo:hi], tree(into[1], lo, hi)) for lo, hi in spans]
+    return u.compiled()(u.tx, [g for _, g in pieces], mean_factor, ins, [params[lo:hi] for lo, hi in spans], skip,
+                        norm, u.param_dtype, outs)
+
+
+def check_in_buffer(buffer: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> None:
+    """Raise ``ValueError`` unless ``buffer`` lies within its storage and each of ``leaves`` is a
+    contiguous view of that storage starting ``offsets[i]`` elements into ``buffer`` (eager:
+    reads storages and data pointers, which a traced step cannot)."""
+    storage, size = buffer.untyped_storage(), buffer.element_size()
+    if buffer.data_ptr() + buffer.numel() * size > storage.data_ptr() + storage.nbytes():
+        raise ValueError(f"params are not views of one flat buffer of {buffer.numel()} elements starting where its "
+                         "memory starts: pass the params init/step returned (compiled with donate=True, the step "
+                         "casts into their buffer)")
+    for i, (x, o) in enumerate(zip(leaves, offsets)):
+        if (not x.is_contiguous() or x.untyped_storage().data_ptr() != storage.data_ptr()
+                or x.data_ptr() != buffer.data_ptr() + o * size):
+            raise ValueError(f"params leaf {i} is not at its offset {o} in the params' flat buffer: pass the params "
+                             "init/step returned (compiled with donate=True, the step casts into their buffer)")
+
+
+@torch.library.custom_op("fzero::update_leaves", mutates_args=("master", "state", "params", "new_scalars"))
+def _update_leaves_op(key: int, master: torch.Tensor, state: list[torch.Tensor], scalars: list[torch.Tensor],
+                      grads: list[torch.Tensor], starts: list[int], mean_factor: torch.Tensor, skip: torch.Tensor,
+                      norm: torch.Tensor, params: torch.Tensor, param_leaves: list[torch.Tensor], offsets: list[int],
+                      new_scalars: list[torch.Tensor]) -> None:
+    """The donated update (``_run``) in place: ``master``, ``state`` and ``params`` (``[S, 1]``,
+    see ``stages.cast_target``) written; ``param_leaves`` must be views of ``params`` at
+    ``offsets`` (``check_in_buffer``). ``scalars``: the state's 0-d leaves, read;
+    ``new_scalars``: written with their new values (a custom op that mutates its inputs cannot
+    also return a list)."""
+    params = params.view(-1)
+    check_in_buffer(params, param_leaves, offsets)
+    for out, x in zip(new_scalars, _run(key, master, state, scalars, grads, starts, mean_factor, skip, norm, params)):
+        out.copy_(x)
+
+
+@_update_leaves_op.register_fake
+def _(key, master, state, scalars, grads, starts, mean_factor, skip, norm, params, param_leaves, offsets, new_scalars):
+    return None
+
+
+@torch.library.custom_op("fzero::updated_leaves", mutates_args=())
+def _updated_leaves_op(key: int, master: torch.Tensor, state: list[torch.Tensor], scalars: list[torch.Tensor],
+                       grads: list[torch.Tensor], starts: list[int], mean_factor: torch.Tensor, skip: torch.Tensor,
+                       norm: torch.Tensor, param_dtype: torch.dtype) -> list[torch.Tensor]:
+    """The pure update (``_run``) into new tensors, written once each: returns the new master,
+    the new ``state`` and ``scalars``, and the params shard in ``param_dtype``."""
+    into = (torch.empty_like(master), [torch.empty_like(x) for x in state])
+    params = torch.empty(master.numel(), dtype=param_dtype, device=master.device)
+    new = _run(key, master, state, scalars, grads, starts, mean_factor, skip, norm, params, into)
+    # 0-d leaves cloned: one the transform passes through would alias an input
+    return [into[0], *into[1], *[x.clone() for x in new], params]
+
+
+@_updated_leaves_op.register_fake
+def _(key, master, state, scalars, grads, starts, mean_factor, skip, norm, param_dtype):
+    # (``key`` may be a symbol here: dynamo makes an engine attribute that differs from engine
+    # to engine dynamic; nothing of the engine is needed for the shapes)
+    return [torch.empty_like(master), *[torch.empty_like(x) for x in state], *[torch.empty_like(x) for x in scalars],
+            master.new_empty(master.numel(), dtype=param_dtype)]

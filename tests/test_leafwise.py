@@ -1,0 +1,150 @@
+"""The compiled step from a grads pytree, leaf by leaf (``fzero.leafwise``): the same results as
+the compiled step on the flat buffer, in place, one graph for the update, no flat copy of grads."""
+import optree
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import fzero
+from fzero import transforms
+from helpers import compiled_buffers, grads_like, grads_seq, odd_params
+
+
+def adamw():
+    return transforms.adamw(lr=1e-2, weight_decay=0.1, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p))
+
+
+def engine_for(param_dtype, donate=True, **kw):
+    scaling = fzero.DynamicLossScale(init_scale=2.0**10, growth_interval=2) if param_dtype == torch.float16 else None
+    return fzero.zero1(adamw(), param_dtype=param_dtype, loss_scale=scaling, donate=donate, **kw)
+
+
+def train(p0, seq, param_dtype, *, flat, **kw):
+    """Compiled steps over ``seq``, from the grads pytree or (``flat``) from the flat buffer;
+    returns ``(params as a pytree, state, infos)``."""
+    engine = engine_for(param_dtype, **kw)
+    params, state, ss = engine.init(p0)
+    step = torch.compile(engine.step, fullgraph=True)
+    carry = engine.flat_params(params) if flat else params
+    infos = []
+    for g in seq:
+        g = fzero.flatten(g, engine.layout) if flat else g
+        carry, state, ss, info = step(carry, g, state, ss)
+        infos.append(info)
+    return (fzero.unflatten(carry, engine.layout) if flat else carry), state, infos
+
+
+@pytest.mark.parametrize("param_dtype,bucket_bytes,donate", [
+    (torch.float16, None, True), (torch.bfloat16, 48, True), (torch.float16, 48, False), (torch.bfloat16, None, False)])
+def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, bucket_bytes, donate):
+    """Every param, the master and the moments, padding included (several buckets: padding
+    between leaves), bit for bit, donated (in place) and pure (new tensors); an overflow skips
+    the step in both."""
+    p0 = odd_params()
+    seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0, n=4)
+    leaf = train(p0, seq, param_dtype, flat=False, bucket_bytes=bucket_bytes, donate=donate)
+    flat = train(p0, seq, param_dtype, flat=True, bucket_bytes=bucket_bytes, donate=donate)
+    assert [bool(i["found_inf"]) for i in leaf[2]] == [bool(i["found_inf"]) for i in flat[2]] == [False, False, True, False]
+    for a, b in zip(optree.tree_leaves(leaf[:2]), optree.tree_leaves(flat[:2])):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_leaf_by_leaf_with_bf16_moments_equals_the_flat_step_bitwise():
+    """BF16 moments are ``[S]`` tensors too, elementwise: the same path, the same bits."""
+    p0 = odd_params()
+    seq = grads_seq(p0, torch.bfloat16, 1.0, n=3, bad_step=None)
+    out = []
+    for flat in (False, True):
+        tx = transforms.adamw(lr=1e-2, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16)
+        engine = fzero.zero1(tx, param_dtype=torch.bfloat16, loss_scale=None, donate=True)
+        params, state, ss = engine.init(p0)
+        step = torch.compile(engine.step, fullgraph=True)
+        carry = engine.flat_params(params) if flat else params
+        for g in seq:
+            carry, state, ss, _ = step(carry, fzero.flatten(g, engine.layout) if flat else g, state, ss)
+        assert (engine._compiled_update.leaves._compiled != {}) == (not flat)
+        out.append((fzero.flatten(carry, engine.layout) if not flat else carry, state))
+    for a, b in zip(optree.tree_leaves(out[0]), optree.tree_leaves(out[1])):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_leaf_by_leaf_writes_in_place_and_copies_no_grads():
+    """The params come back as the very leaves given, and the step's graph allocates no flat
+    buffer: the grads are read as leaves, not laid out into one."""
+    torch._dynamo.reset()
+    p0 = {"a": torch.randn(300, 7), "b": torch.randn(5), "c": torch.randn(2, 3, 4)}
+    engine = engine_for(torch.float16)
+    params, state, ss = engine.init(p0)
+    grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
+    given = optree.tree_leaves(params)
+    counters.clear()
+    out, buffers = compiled_buffers(torch.compile(engine.step, fullgraph=True), params, grads, state, ss)
+    # the step, and its update's loops per leaf (compiled once per dispatch state it runs in)
+    assert counters["stats"]["unique_graphs"] == 1 + len(engine._compiled_update.leaves._compiled)
+    assert all(a is b for a, b in zip(optree.tree_leaves(out[0]), given))
+    assert out[1].master is state.master
+    big = [(n, dtype) for n, dtype in buffers if n >= 300 * 7]
+    assert not big, f"the compiled step allocates {big}; the layout has {engine.layout.padded_numel} elements"
+
+
+def test_params_outside_their_buffer_raise_before_anything_is_written():
+    """Params that are not views of one flat buffer (the engine's are) cannot be cast into in
+    place: a clear error, and master and moments keep every bit."""
+    p0 = odd_params()
+    engine = engine_for(torch.float16)
+    params, state, ss = engine.init(p0)
+    grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
+    step = torch.compile(engine.step, fullgraph=True)
+    own = optree.tree_map(lambda x: x.clone(), params)  # each leaf its own memory
+    before = optree.tree_map(lambda x: x.clone(), state)
+    with pytest.raises(ValueError, match="params are not views of one flat buffer"):
+        step(own, grads, state, ss)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(before)))
+    step(params, grads, state, ss)  # the engine's params still step
+    assert not torch.equal(state.master, before.master)
+
+
+def test_leaf_by_leaf_takes_accumulated_grads():
+    """An ``Accumulated`` FP32 sum is one piece: each leaf's update reads its slice of it."""
+    p0 = odd_params()
+    out = []
+    for compiled in (False, True):
+        engine = engine_for(torch.float16)
+        params, state, ss = engine.init(p0)
+        seq = grads_seq(p0, torch.float16, 2.0**10, n=2, bad_step=None)
+        acc = engine.accumulate(engine.accumulate(None, seq[0]), seq[1])
+        step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
+        out.append(step(params, acc, state, ss)[:2])
+    for a, b in zip(optree.tree_leaves(out[1]), optree.tree_leaves(out[0])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_pure_leaf_by_leaf_step_leaves_its_inputs_untouched():
+    """Without ``donate`` the op writes new tensors: params, master and moments given keep every
+    bit, and the new params are one flat buffer again."""
+    p0 = odd_params()
+    engine = engine_for(torch.float16, donate=False)
+    params, state, ss = engine.init(p0)
+    grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
+    before = optree.tree_map(lambda x: x.clone(), (params, state))
+    new_params, new_state, _, _ = torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
+    assert engine._compiled_update.leaves._compiled  # it ran leaf by leaf
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((params, state)), optree.tree_leaves(before)))
+    assert not torch.equal(new_state.master, state.master)
+    flat = engine.flat_params(new_params)
+    assert torch.equal(flat, fzero.flatten(new_params, engine.layout))
+
+
+def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
+    """8-bit moments keep one scale per block of elements, across leaves: the update stays inside
+    the step's graph."""
+    p0 = odd_params()
+    grads = optree.tree_map(lambda x: x.half(), grads_like(p0, 0))
+    tx = transforms.adamw(lr=1e-2, mu_dtype=torch.int8, nu_dtype=torch.int8)
+    engine = fzero.zero1(tx, param_dtype=torch.float16, loss_scale=None, donate=True)
+    params, state, ss = engine.init(p0)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
+    assert counters["stats"]["unique_graphs"] == 1 and engine._compiled_update.leaves is None
