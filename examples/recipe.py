@@ -127,7 +127,7 @@ def make_train_step(engine, loss_fn, *, compile: bool, keep_grads: bool = True):
         loss = loss_of_flat(leaf, grads, batch, params)
         fzero.scale_loss(loss, scaler_state).backward()  # writes every element of ``grads``
         # The step on the flat buffer: compiled, it writes the new params in the update's own
-        # pass; a pytree costs a pass per leaf (docs/performance.md).
+        # pass, and the grads are already the flat buffer backward wrote (docs/performance.md).
         flat, state, scaler_state, info = optimizer_step(flat, leaf.grad if grads is None else grads, state,
                                                          scaler_state)
         return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info

@@ -30,8 +30,8 @@ from . import checks, lineage, stages
 from .binding import Binding, ZeroState, config_table, fresh_state, to_state_device
 from .comm import Comm, SimulatedComm, comm_of_mesh
 from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
-from .leafwise import LeafUpdate
 from .grads import Accumulated, GradFn, GradPath
+from .leafwise import LeafUpdate
 from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
 from .shard_view import ShardView, bind

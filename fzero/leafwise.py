@@ -92,9 +92,9 @@ def _update_leaves(tx, grads, mean_factor, ins, params, skip, norm, param_dtype,
     ``outs[i]`` (slices of new tensors; ``None``: into ``ins[i]``, in place), the params cast
     into ``params[i]``. Returns the new state's 0-d leaves (every piece computes the same ones)."""
     scalars = []
-    for i, (g, (master, tx_state), p) in enumerate(zip(grads, ins, params)):
-        into = (*(ins[i] if outs is None else outs[i]), p)
-        scalars = _update_into(tx, g.reshape(-1).float() * mean_factor, master, tx_state, skip, norm, param_dtype, into)
+    for g, (master, tx_state), out, p in zip(grads, ins, ins if outs is None else outs, params):
+        scalars = _update_into(tx, g.reshape(-1).float() * mean_factor, master, tx_state, skip, norm, param_dtype,
+                               (*out, p))
     return scalars
 
 

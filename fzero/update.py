@@ -227,6 +227,11 @@ class ShardGrads(NamedTuple):
     def segments(self) -> Segments:
         return self.shard if isinstance(self.shard, Segments) else Segments.of(self.shard, self.owned)
 
+    @property
+    def mean_factor(self) -> torch.Tensor:
+        """What ``shard`` is multiplied by to be the mean unscaled grads (0-d FP32)."""
+        return scalar(self.factor / (self.scale * self.count))
+
     def mean(self, device: torch.device, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """The FP32 mean unscaled grads ``[lo:hi]`` (default: all ``[S]``) on ``device``: one
         FP32 multiply; ``Segments`` (read for a fused kernel that declined) divided by
@@ -234,7 +239,7 @@ class ShardGrads(NamedTuple):
         if isinstance(self.shard, Segments):
             hi = self.shard.numel if hi is None else hi
             return self.shard.fp32(lo, hi, device) / self.grad_scale.to(device)
-        return (self.shard[lo:hi].float() * scalar(self.factor / (self.scale * self.count))).to(device)
+        return (self.shard[lo:hi].float() * self.mean_factor).to(device)
 
 
 # The update variants (like torch.optim's _fused_adamw / _multi_tensor_adamw / _single_tensor_adamw)
@@ -348,8 +353,7 @@ def compiled_leaves(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
     params cast into their own buffer (``out``: ``(buffer, leaves, offsets)``,
     ``stages.cast_target``); pure, into new tensors, each written once. The grads' mean is taken
     as ``ShardGrads.mean`` takes it."""
-    mean_factor = scalar(grads.factor / (grads.scale * grads.count))
-    return compiled.leaves(grads.segments(), mean_factor, master, tx_state, skip, norm, out)
+    return compiled.leaves(grads.segments(), grads.mean_factor, master, tx_state, skip, norm, out)
 
 
 COMPILE_NUMEL = 2**20  # eager shards from this size up compile their update when it has no fused kernel
