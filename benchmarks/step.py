@@ -17,7 +17,8 @@ compiled on the flat buffer (``engine.flat_params``: params and grads flat); wor
 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
 rows). Prints a markdown table with x floor and ratios, then the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
-paired rounds.
+paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
+``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -103,6 +105,7 @@ def main(argv=None):
     # fzero, world size 1
     params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    first_s = {}  # each fzero row's first call (compiled: the compile), seconds
     grads = {k: g.to(dtype) for k, g in zip(params32, g16)}
     for label, key, compiled, flat_grads, donate in (
             ("fzero eager", "eager", False, False, True),
@@ -123,6 +126,11 @@ def main(argv=None):
         def run(step=step, carry=carry, g=g):  # bound now: the loop deletes its names
             carry[0], carry[1], carry[2], _ = step(carry[0], g, carry[1], carry[2])
 
+        t0 = time.perf_counter()
+        run()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        first_s[label] = time.perf_counter() - t0
         ms[label] = bench(run)
         keep[key] = run
         del engine, carry, step
@@ -153,10 +161,12 @@ def main(argv=None):
     print(f"\npaired: median of {args.rounds} alternating rounds of 5 steps each\n")
     print(table([[names[k.split(" / ")[0]], names[k.split(" / ")[1]], f"{r:.2f}"] for k, r in paired.items()],
                 ["step", "against", "ratio"]))
+    print("\nfirst call (compiled: the compile), seconds\n")
+    print(table([[label, f"{t:.1f}"] for label, t in first_s.items()], ["step", "s"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"numel": N, "dtype": args.dtype, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},
-                       "paired_over_fused": paired}, f, indent=1)
+                       "paired_over_fused": paired, "first_call_s": first_s}, f, indent=1)
     return ms
 
 

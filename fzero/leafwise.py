@@ -8,10 +8,12 @@ masked pass over the whole state per leaf. So the step hands the update to a cus
 the traced graph keeps whole: ``fzero::update_leaves`` (``donate=True``) mutates the master, the
 transform's ``[S]`` state and the params' flat buffer; ``fzero::updated_leaves`` (the pure step)
 returns new ones, each written once. Its body cuts each leaf's slices outside any graph and
-passes them, each an input of its own, to one graph per engine, compiled at the first step
-(``torch.compile`` of ``_update_leaves``): one loop per leaf, reading the grad leaf and writing
-master, moments and params, as the eager step's compiled chunks do
-(``fzero.update.compiled_chunks``).
+passes them, each an input of its own, to graphs compiled at the first step (``torch.compile``
+of ``_update_leaves``): one loop per leaf, reading the grad leaf and writing master, moments and
+params, as the eager step's compiled chunks do (``fzero.update.compiled_chunks``). The leaves go
+in groups of at most ``GROUP``, each group a call of one graph with dynamic sizes: a model of
+hundreds of leaves compiles a graph or two of ``GROUP`` loops, not one loop per leaf in one graph
+(200 leaves on a 2-core CPU: the first step 85 s against 347 s, ``benchmarks/step.py``).
 
 A custom op's schema carries tensors and numbers; the transform and its state's structure reach
 the body through ``LeafUpdate.key``, the entry each engine makes in ``_UPDATES`` at ``init`` (a
@@ -25,11 +27,19 @@ from typing import Any
 
 import optree
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from .grads import Segments
 from .update import _own_compile, _update_into
 
-__all__ = ["LeafUpdate"]
+try:  # torch >= 2.5: a pass with a uuid keeps inductor's graph cache on
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover
+    CustomGraphPass = object
+
+__all__ = ["LeafUpdate", "GROUP"]
+
+GROUP = 16  # leaves per call of a compiled graph: compile time grows with it, per-call overhead shrinks
 
 _UPDATES: "weakref.WeakValueDictionary[int, LeafUpdate]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
@@ -44,6 +54,7 @@ class LeafUpdate:
     def __init__(self, tx, spec: optree.PyTreeSpec, sized: tuple[bool, ...], param_dtype: torch.dtype):
         self.tx, self.spec, self.sized, self.param_dtype = tx, spec, sized, param_dtype
         self._compiled: dict[tuple, Any] = {}
+        self._dispatch: tuple | None = None
         self.key = next(_KEYS)
         _UPDATES[self.key] = self
 
@@ -72,28 +83,75 @@ class LeafUpdate:
         new = iter(new_scalars)
         return master, optree.tree_map(lambda x: x if x.ndim else next(new), tx_state), params
 
-    def compiled(self):
-        """``_update_leaves`` compiled for the dispatcher's thread-local state it is called in.
-        Dynamo guards a graph on that state, and the op's first call in a compiled step runs
-        under a dispatch mode that torch's runtime wraps around it (torch 2.13:
-        ``_AnalyzeCustomOpInputOutputMode``, which checks custom ops' aliasing once): one copy
-        per state, each compiled once, instead of a recompile at the second step (which
-        ``error_on_recompile`` would turn into an error)."""
-        state = (str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set()),
-                 torch.is_grad_enabled())
-        if state not in self._compiled:
-            self._compiled[state] = _own_compile(_update_leaves)
-        return self._compiled[state]
+    def compiled(self, kind: tuple):
+        """``_update_leaves`` compiled for groups of one ``kind`` (``_groups``: the number of
+        pieces, their grads' dtype, whether each holds one element), with dynamic sizes and
+        offsets. Each kind has a code object of its own (``_own_compile``): a graph each, none a
+        recompile of another (which ``error_on_recompile`` would turn into an error)."""
+        if kind not in self._compiled:
+            self._compiled[kind] = _own_compile(_update_leaves, dynamic=True,
+                                                options={"post_grad_custom_pre_pass": _SharedScalars()})
+        return self._compiled[kind]
+
+    def dispatch_state(self) -> "torch._C._ForceDispatchKeyGuard":
+        """The dispatcher's thread-local key sets of the op's first call, restored around every
+        later call of the graphs. Dynamo guards a graph on them, and the op's first call in a
+        compiled step runs under a dispatch mode that torch's runtime wraps around it (torch 2.13:
+        ``_AnalyzeCustomOpInputOutputMode``, which checks custom ops' aliasing once), which
+        excludes the keys above its own: without this the second step compiled every graph again
+        (twice the compile time). The graphs only call kernels: the keys change nothing they do."""
+        if self._dispatch is None:
+            self._dispatch = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+        return torch._C._ForceDispatchKeyGuard(*self._dispatch)
+
+
+class _SharedScalars(CustomGraphPass):
+    """Common-subexpression elimination of a graph's post-grad form (inductor's
+    ``post_grad_custom_pre_pass``, where the graph is functional but for the copies into mutated
+    inputs at its end). Each leaf's update computes the same 0-d values (``count + 1``, the bias
+    corrections, ``transforms.scalar``'s materialized sums) from the same inputs, and AOT
+    autograd eliminates common subexpressions only of training graphs: inductor computed them
+    once per leaf (on a CPU, each a barrier between the threads; on a GPU, a kernel launch).
+    Merged are nodes of the same op on the same arguments, unless the op mutates, draws random
+    numbers, or its result is written by another op."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        seen = {}
+        for node in list(graph.nodes):
+            op = node.target
+            if (node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable
+                    or torch.Tag.nondeterministic_seeded in op.tags or _written(node)):
+                continue
+            key = (op, repr(node.args), repr(node.kwargs))  # nodes print as their unique names
+            if key in seen:
+                node.replace_all_uses_with(seen[key])
+                graph.erase_node(node)
+            else:
+                seen[key] = node
+
+    def uuid(self) -> str:
+        return "fzero.leafwise._SharedScalars.2"
+
+
+def _written(node: torch.fx.Node) -> bool:
+    """Whether one of ``node``'s users writes into it (an argument its schema marks ``a!``)."""
+    for user in node.users:
+        op = user.target
+        if isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable:
+            given = {**dict(zip((a.name for a in op._schema.arguments), user.args)), **user.kwargs}
+            if any(given.get(a.name) is node for a in op._schema.arguments if a.alias_info and a.alias_info.is_write):
+                return True
+    return False
 
 
 def _update_leaves(tx, grads, mean_factor, ins, params, skip, norm, param_dtype, outs=None):
-    """``_update_into`` of each piece: ``grads[i]`` (any shape, any float dtype) times
+    """``_update_into`` of each piece: ``grads[i]`` (1-D, any float dtype) times
     ``mean_factor`` on ``ins[i] = (master, tx_state)``, slices of the state, written into
     ``outs[i]`` (slices of new tensors; ``None``: into ``ins[i]``, in place), the params cast
     into ``params[i]``. Returns the new state's 0-d leaves (every piece computes the same ones)."""
     scalars = []
     for g, (master, tx_state), out, p in zip(grads, ins, ins if outs is None else outs, params):
-        scalars = _update_into(tx, g.reshape(-1).float() * mean_factor, master, tx_state, skip, norm, param_dtype,
+        scalars = _update_into(tx, g.float() * mean_factor, master, tx_state, skip, norm, param_dtype,
                                (*out, p))
     return scalars
 
@@ -110,24 +168,44 @@ def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, nor
     never one graph with its inputs aliased in two ways: torch's AOT autograd cache (torch 2.13)
     keyed the two alike, and a pure step given the in-place graph from the cache wrote nothing."""
     u = _UPDATES[key]
+    zeros = (grads[0] if grads else master).new_zeros  # padding's grads: of the grads' dtype, to share their graph
     pieces, pos = [], 0
     for s, g in sorted(zip(starts, grads), key=lambda sg: sg[0]):
         if s > pos:
-            pieces.append((pos, master.new_zeros(s - pos)))
-        pieces.append((s, g))
+            pieces.append((pos, zeros(s - pos)))
+        if g.numel():
+            pieces.append((s, g.reshape(-1)))
         pos = s + g.numel()
     if pos < master.numel():
-        pieces.append((pos, master.new_zeros(master.numel() - pos)))
+        pieces.append((pos, zeros(master.numel() - pos)))
 
     def tree(sized, lo, hi):  # the transform state of elements [lo, hi)
         sized, scalar = iter(sized), iter(scalars)
         return u.spec.unflatten([next(sized)[lo:hi] if s else next(scalar) for s in u.sized])
 
-    spans = [(lo, lo + g.numel()) for lo, g in pieces]
-    ins = [(master[lo:hi], tree(state, lo, hi)) for lo, hi in spans]
-    outs = None if into is None else [(into[0][lo:hi], tree(into[1], lo, hi)) for lo, hi in spans]
-    return u.compiled()(u.tx, [g for _, g in pieces], mean_factor, ins, [params[lo:hi] for lo, hi in spans], skip,
-                        norm, u.param_dtype, outs)
+    new_scalars = []
+    with u.dispatch_state(), torch.no_grad(), fx_config.patch(use_duck_shape=False):
+        # (no duck shapes: a slice's offset that equals another leaf's size is no guard)
+        for kind, group in _groups(pieces):
+            spans = [(lo, lo + g.numel()) for lo, g in group]
+            ins = [(master[lo:hi], tree(state, lo, hi)) for lo, hi in spans]
+            outs = None if into is None else [(into[0][lo:hi], tree(into[1], lo, hi)) for lo, hi in spans]
+            new_scalars = u.compiled(kind)(u.tx, [g for _, g in group], mean_factor, ins,
+                                           [params[lo:hi] for lo, hi in spans], skip, norm, u.param_dtype, outs)
+    return new_scalars
+
+
+def _groups(pieces: list) -> list[tuple[tuple, list]]:
+    """``pieces`` (``(start, 1-D grad)``) in groups of at most ``GROUP`` of one kind, in memory
+    order within a kind, each as ``(kind, group)``: ``kind`` = (the group's length, its grads'
+    dtype, whether they hold one element each). The groups of a kind share a graph with
+    dynamic sizes; dynamo specializes a size of 1 (and a dtype), so those make kinds of their
+    own: a graph for full groups and one for the rest, per kind."""
+    kinds: dict[tuple, list] = {}
+    for lo, g in pieces:
+        kinds.setdefault((g.dtype, g.numel() == 1), []).append((lo, g))
+    return [((len(run[i:i + GROUP]), *k), run[i:i + GROUP]) for k, run in kinds.items()
+            for i in range(0, len(run), GROUP)]
 
 
 def check_in_buffer(buffer: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> None:

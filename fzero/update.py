@@ -90,15 +90,16 @@ class CompiledUpdate(NamedTuple):
     leaves: Any = None
 
 
-def _own_compile(fn):
-    """``fn`` under ``torch.compile`` with a compile cache of its own. Dynamo keeps compiled graphs,
-    and its limit of recompiles (8), per code object, and a graph is guarded on the chunk's shape
-    and on what the transform holds: one ``_update`` shared by every engine of a process failed
-    (``fullgraph=True``) once their shards' shapes had made more graphs than that. A copy of the
-    code object per engine keeps each engine's few graphs apart."""
+def _own_compile(fn, *, dynamic: bool = False, options: dict | None = None):
+    """``fn`` under ``torch.compile`` (``dynamic``, inductor ``options``) with a compile cache of
+    its own. Dynamo keeps compiled graphs, and its limit of recompiles (8), per code object, and a
+    graph is guarded on the chunk's shape and on what the transform holds: one ``_update`` shared
+    by every engine of a process failed (``fullgraph=True``) once their shards' shapes had made
+    more graphs than that. A copy of the code object per engine keeps each engine's few graphs
+    apart."""
     code = fn.__code__.replace()  # a new code object, the same code
     own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, fullgraph=True, dynamic=False)
+    return torch.compile(own, fullgraph=True, dynamic=dynamic, options=options)
 
 
 def compiled_update() -> CompiledUpdate:

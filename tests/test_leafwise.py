@@ -7,6 +7,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import fzero
+import fzero.leafwise
 from fzero import transforms
 from helpers import compiled_buffers, grads_like, grads_seq, odd_params
 
@@ -35,18 +36,43 @@ def train(p0, seq, param_dtype, *, flat, **kw):
     return (fzero.unflatten(carry, engine.layout) if flat else carry), state, infos
 
 
-@pytest.mark.parametrize("param_dtype,bucket_bytes,donate", [
-    (torch.float16, None, True), (torch.bfloat16, 48, True), (torch.float16, 48, False), (torch.bfloat16, None, False)])
-def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, bucket_bytes, donate):
+@pytest.mark.parametrize("param_dtype,bucket_bytes,donate,group", [
+    (torch.float16, None, True, 16), (torch.bfloat16, 48, True, 16), (torch.float16, 48, False, 16),
+    (torch.bfloat16, None, False, 16), (torch.float16, 48, True, 2), (torch.bfloat16, 48, False, 2)])
+def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, bucket_bytes, donate, group, monkeypatch):
     """Every param, the master and the moments, padding included (several buckets: padding
     between leaves), bit for bit, donated (in place) and pure (new tensors); an overflow skips
-    the step in both."""
+    the step in both. In groups of 2 leaves, several groups share a graph (dynamic sizes) and a
+    1-element leaf has one of its own, none compiled twice."""
+    monkeypatch.setattr(fzero.leafwise, "GROUP", group)
     p0 = odd_params()
     seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0, n=4)
-    leaf = train(p0, seq, param_dtype, flat=False, bucket_bytes=bucket_bytes, donate=donate)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        leaf = train(p0, seq, param_dtype, flat=False, bucket_bytes=bucket_bytes, donate=donate)
     flat = train(p0, seq, param_dtype, flat=True, bucket_bytes=bucket_bytes, donate=donate)
     assert [bool(i["found_inf"]) for i in leaf[2]] == [bool(i["found_inf"]) for i in flat[2]] == [False, False, True, False]
     for a, b in zip(optree.tree_leaves(leaf[:2]), optree.tree_leaves(flat[:2])):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_many_leaves_compile_two_graphs_and_match_the_flat_step(monkeypatch):
+    """22 leaves of 19 sizes in groups of 4: the update compiles one graph for the full groups
+    and one for the last, whatever the sizes (dynamic), none a recompile; the results are the
+    flat step's, bit for bit."""
+    monkeypatch.setattr(fzero.leafwise, "GROUP", 4)
+    g = torch.Generator().manual_seed(3)
+    p0 = {f"p{i}": torch.randn(2 + 7 * (i % 19), generator=g) for i in range(22)}
+    seq = [optree.tree_map(lambda x: (torch.randn(x.shape, generator=g) * 64).half(), p0) for _ in range(2)]
+    torch._dynamo.reset()
+    engine = engine_for(torch.float16)
+    params, state, ss = engine.init(p0)
+    step = torch.compile(engine.step, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for grads in seq:
+            params, state, ss, _ = step(params, grads, state, ss)
+    assert len(engine._compiled_update.leaves._compiled) == 2
+    flat = train(p0, seq, torch.float16, flat=True)
+    for a, b in zip(optree.tree_leaves((params, state)), optree.tree_leaves(flat[:2])):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
@@ -148,3 +174,30 @@ def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
     counters.clear()
     torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
     assert counters["stats"]["unique_graphs"] == 1 and engine._compiled_update.leaves is None
+
+
+def test_shared_scalars_merges_identical_pure_nodes_only():
+    """The post-grad pass keeps one of two identical pure computations, and every mutation,
+    every random draw and every result that an op writes into."""
+    def f(x, y):
+        a = torch.ops.aten.add.Tensor(x, 1)
+        b = torch.ops.aten.add.Tensor(x, 1)  # the same as a
+        r1, r2 = torch.ops.aten.rand_like.default(x), torch.ops.aten.rand_like.default(x)
+        z1, z2 = torch.ops.aten.zeros_like.default(x), torch.ops.aten.zeros_like.default(x)
+        torch.ops.aten.add_.Tensor(z1, 1)
+        torch.ops.aten.copy_.default(y, a)
+        torch.ops.aten.copy_.default(y, a)
+        return a * b + r1 + r2 + z1 + z2
+
+    gm = torch.fx.symbolic_trace(f)
+    fzero.leafwise._SharedScalars()(gm.graph)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.add.Tensor) == 1
+    assert targets.count(torch.ops.aten.rand_like.default) == 2 and targets.count(torch.ops.aten.copy_.default) == 2
+    assert targets.count(torch.ops.aten.zeros_like.default) == 2
+    gm.recompile()
+    x, y = torch.randn(2), torch.zeros(2)
+    torch.manual_seed(0)
+    out = gm(x, y)
+    torch.manual_seed(0)
+    assert torch.equal(out, f(x, torch.zeros(2))) and torch.equal(y, x + 1)
