@@ -21,6 +21,7 @@ weak dictionary: an engine's entry goes with its ``LeafUpdate``).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from typing import Any
@@ -184,8 +185,10 @@ def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, nor
         return u.spec.unflatten([next(sized)[lo:hi] if s else next(scalar) for s in u.sized])
 
     new_scalars = []
-    with u.dispatch_state(), torch.no_grad(), fx_config.patch(use_duck_shape=False):
-        # (no duck shapes: a slice's offset that equals another leaf's size is no guard)
+    # No duck shapes: a slice's offset that equals another leaf's size is then no guard (a torch
+    # without the option recompiles such a group instead).
+    no_duck = fx_config.patch(use_duck_shape=False) if hasattr(fx_config, "use_duck_shape") else contextlib.nullcontext()
+    with u.dispatch_state(), torch.no_grad(), no_duck:
         for kind, group in _groups(pieces):
             spans = [(lo, lo + g.numel()) for lo, g in group]
             ins = [(master[lo:hi], tree(state, lo, hi)) for lo, hi in spans]
