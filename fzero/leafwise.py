@@ -187,7 +187,8 @@ def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, nor
     new_scalars = []
     # No duck shapes: a slice's offset that equals another leaf's size is then no guard (a torch
     # without the option recompiles such a group instead).
-    no_duck = fx_config.patch(use_duck_shape=False) if hasattr(fx_config, "use_duck_shape") else contextlib.nullcontext()
+    no_duck = (fx_config.patch(use_duck_shape=False) if hasattr(fx_config, "use_duck_shape")
+               else contextlib.nullcontext())
     with u.dispatch_state(), torch.no_grad(), no_duck:
         for kind, group in _groups(pieces):
             spans = [(lo, lo + g.numel()) for lo, g in group]
