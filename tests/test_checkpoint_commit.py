@@ -238,8 +238,11 @@ def race_save_and_load(rank, world_size, tmp):
         while tag < 3 or (tag < RACE_SAVES and time.monotonic() - start < RACE_SECONDS):
             ck.save(path, params, *tagged(state, ss, tag), engine, extra={"tag": tag})
             tag += 1
-        with open(done, "w") as f:
+        # Written aside and renamed into place: the loader takes ``done`` existing as the end and
+        # reads it at once, and an ``open(done, "w")`` is visible, empty, before it is written.
+        with open(done + ".tmp", "w") as f:
             f.write(str(tag - 1))
+        os.replace(done + ".tmp", done)
         return {"saves": tag}
     out = {"loads": 0, "replaced": 0, "errors": [], "mixed": []}
     deadline = time.monotonic() + 90
