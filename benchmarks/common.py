@@ -110,9 +110,13 @@ def rows_of_ranks(script: str, argv: list[str], world: int, env: dict | None = N
 def profile_table(run, rows: int) -> str:
     """``torch.profiler``'s table of the ``rows`` ops with the most self CPU time in ``run()``
     (inductor's CPU kernels are named when ``torch._inductor.config.cpp.enable_kernel_profile``
-    was set before they compiled)."""
+    was set before they compiled). Where CUDA is available its kernels are profiled too (the
+    table's CUDA columns), waited for before the profile ends."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         run()
+        if cuda:
+            torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)

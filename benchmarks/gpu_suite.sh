@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script of about 8 minutes on one H200:
 # the no-host-sync check, the optimizer-step table at 1e9 elements (eager and compiled from the
-# grads pytree, each with donate=True and pure, against fused AdamW and fresh outputs; flat), the
-# eager step's bytes per element, the BF16 step with an FP32 against a remainder master, the
+# grads pytree, each with donate=True and pure, against fused AdamW and fresh outputs; flat; and
+# a profile of one step of each compiled row: its host time beside its kernels'), the eager
+# step's bytes per element, the BF16 step with an FP32 against a remainder master, the
 # step with BF16 and 8-bit moments against FP32 ones (eager and compiled), the memory table (with CPU offload's device bytes and step time), and the main job's step against
 # the torch recipe at GPT-2-small shape (e2e.py), and Muon + AdamW against AdamW at 1e9 elements (muon.py).
 # Results land in $OUT (default benchmarks/results/gpu).
@@ -14,10 +15,10 @@ OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python}
 if [ -n "${QUICK:-}" ]; then
-  STEP="--numel 2e5 --tensors 20 --iters 3 --device cpu"; MEM="--sizes 1e6 --world-sizes 1 8 --device cpu --offload-sizes 1e5"
+  STEP="--numel 2e5 --tensors 20 --iters 3 --device cpu --profile 20"; MEM="--sizes 1e6 --world-sizes 1 8 --device cpu --offload-sizes 1e5"
   E2E="--quick --device cpu"
 else
-  STEP="--numel 1e9 --device cuda"; MEM="--sizes 124439808 1e9 --world-sizes 1 8 64 --device cuda --max-gib 100 --offload-sizes 124439808"
+  STEP="--numel 1e9 --device cuda --profile 20"; MEM="--sizes 124439808 1e9 --world-sizes 1 8 64 --device cuda --max-gib 100 --offload-sizes 124439808"
   E2E="--device cuda --config gpt2 --dtype fp16 bf16 --ranks 1 --batch 16 --steps 10 --rounds 3"
 fi
 run() { echo "== $*"; timeout "${LIMIT:-200}" "$PY" "$@" 2>&1 | tee -a "$OUT/suite.log"; }

@@ -18,7 +18,9 @@ params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scal
 rows). Prints a markdown table with x floor and ratios, then the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
 paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
-``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing).
+``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing). ``--profile ROWS``: after the timings, the
+ops with the most self CPU time over one step of each compiled fzero row (``torch.profiler``;
+each generated CPU kernel an op of its own, dynamo's guards as ``TorchDynamo Cache Lookup``).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import classic_step, hardware, median_time, paired_ratio, table  # noqa: E402
+from common import classic_step, hardware, median_time, paired_ratio, profile_table, table  # noqa: E402
 
 
 def main(argv=None):
@@ -51,7 +53,11 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=9, help="paired rounds of fzero (flat) vs torch fused")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="print the ROWS ops with the most self CPU time in one step of each compiled fzero row")
     args = ap.parse_args(argv)
+    if args.profile:  # before anything compiles: each generated CPU kernel shows as an op of its own
+        torch._inductor.config.cpp.enable_kernel_profile = True
     dev = torch.device(args.device)
     w = args.width
     sizes = ([w * 4 * w, 4 * w, 16 * w * w, 4 * w, 4 * w * w, w] * args.blocks if args.blocks
@@ -106,6 +112,7 @@ def main(argv=None):
     params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     first_s = {}  # each fzero row's first call (compiled: the compile), seconds
+    profiles = {}  # --profile: each compiled row's table
     grads = {k: g.to(dtype) for k, g in zip(params32, g16)}
     for label, key, compiled, flat_grads, donate in (
             ("fzero eager", "eager", False, False, True),
@@ -133,6 +140,8 @@ def main(argv=None):
         first_s[label] = time.perf_counter() - t0
         ms[label] = bench(run)
         keep[key] = run
+        if args.profile and compiled:
+            profiles[label] = profile_table(run, args.profile)
         del engine, carry, step
     del params32
 
@@ -163,6 +172,8 @@ def main(argv=None):
                 ["step", "against", "ratio"]))
     print("\nfirst call (compiled: the compile), seconds\n")
     print(table([[label, f"{t:.1f}"] for label, t in first_s.items()], ["step", "s"]))
+    for label, prof in profiles.items():
+        print(f"\n{label}: ops by self CPU time over one step\n{prof}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"numel": N, "dtype": args.dtype, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},
