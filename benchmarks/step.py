@@ -15,7 +15,8 @@ allocator hands out fresh pages); fzero eager and fzero compiled (``torch.compil
 fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
 compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
-rows). Prints a markdown table with x floor and ratios, then the ratio of
+rows); on a CPU also compiled from the pytree with the update in the step's graph, as a GPU runs it,
+not leaf by leaf as a CPU does (``Engine._leafwise``). Prints a markdown table with x floor and ratios, then the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
 paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
 ``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing). ``--profile ROWS``: after the timings, the
@@ -114,15 +115,19 @@ def main(argv=None):
     first_s = {}  # each fzero row's first call (compiled: the compile), seconds
     profiles = {}  # --profile: each compiled row's table
     grads = {k: g.to(dtype) for k, g in zip(params32, g16)}
-    for label, key, compiled, flat_grads, donate in (
-            ("fzero eager", "eager", False, False, True),
-            ("fzero compiled", "compiled", True, False, True),
-            ("fzero eager, donate=False (pure)", "eager pure", False, False, False),
-            ("fzero compiled, donate=False (pure)", "compiled pure", True, False, False),
-            ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)):
+    fzero_rows = [("fzero eager", "eager", False, False, True),
+                  ("fzero compiled", "compiled", True, False, True),
+                  ("fzero eager, donate=False (pure)", "eager pure", False, False, False),
+                  ("fzero compiled, donate=False (pure)", "compiled pure", True, False, False),
+                  ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)]
+    if dev.type == "cpu":  # the path a GPU takes, beside the one a CPU takes (Engine._leafwise)
+        fzero_rows.append(("fzero compiled, update in the step's graph (a GPU's path)", "in graph", True, False, True))
+    for label, key, compiled, flat_grads, donate in fzero_rows:
         if compiled and not args.compile:
             continue
         engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate)
+        if key == "in graph":  # not leaf by leaf: an engine's choice, made at init, turned off
+            engine._leafwise = lambda binding, device: False
         carry = list(engine.init(params32))  # params, state, scaler_state
         step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
         # d(loss)/d(flat buffer) arrives already laid out (engine.flat_params): no per-leaf copy
@@ -148,7 +153,7 @@ def main(argv=None):
     # Paired rounds: each compiled row against torch's fused AdamW (the CPU target), alternated
     # so that drift in the machine's speed hits both; the ratio is the median of per-round ratios.
     # The pure rows also against fresh outputs: the floor where the allocator does not cache.
-    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer")]
+    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer", "in graph")]
     pairs += [(k, "fresh") for k in ("compiled pure", "eager pure")]
     paired = {f"{a} / {b}": paired_ratio(keep[a], keep[b], dev, rounds=args.rounds)
               for a, b in pairs if a in keep and b in keep}
@@ -166,7 +171,8 @@ def main(argv=None):
     print(table(rows, ["step", "ms", "x floor", "x torch fused", "classic / this"]))
     names = {"fused": "torch fused AdamW", "fresh": "fresh outputs", "compiled": "fzero compiled (grads pytree, donate)",
              "eager": "fzero eager (grads pytree, donate)", "compiled pure": "fzero compiled (grads pytree, pure)",
-             "eager pure": "fzero eager (grads pytree, pure)", "flat buffer": "fzero compiled (flat buffer, donate)"}
+             "eager pure": "fzero eager (grads pytree, pure)", "flat buffer": "fzero compiled (flat buffer, donate)",
+             "in graph": "fzero compiled (grads pytree, donate, update in the step's graph)"}
     print(f"\npaired: median of {args.rounds} alternating rounds of 5 steps each\n")
     print(table([[names[k.split(" / ")[0]], names[k.split(" / ")[1]], f"{r:.2f}"] for k, r in paired.items()],
                 ["step", "against", "ratio"]))

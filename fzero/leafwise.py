@@ -1,7 +1,8 @@
 """The compiled step's update from a grads pytree, leaf by leaf, as one opaque op.
 
-Compiled from a grads pytree at world size 1, the update reads each grad leaf and writes each
-leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers
+Compiled from a grads pytree at world size 1 on a CPU (``Engine._leafwise``: the host time
+per leaf this takes would not be hidden by a GPU's kernels), the update reads each grad leaf
+and writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers
 the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never fuses into the
 consumer), and a write into a slice of a graph input becomes, after functionalization, one
 masked pass over the whole state per leaf. So the step hands the update to a custom op, which
@@ -13,7 +14,7 @@ of ``_update_leaves``): one loop per leaf, reading the grad leaf and writing mas
 params, as the eager step's compiled chunks do (``fzero.update.compiled_chunks``). The leaves go
 in groups of at most ``GROUP``, each group a call of one graph with dynamic sizes: a model of
 hundreds of leaves compiles a graph or two of ``GROUP`` loops, not one loop per leaf in one graph
-(200 leaves on a 2-core CPU: the first step 85 s against 347 s, ``benchmarks/step.py``).
+(200 leaves on a 2-core CPU: the first step 82 s against 347 s, ``benchmarks/step.py``).
 
 A custom op's schema carries tensors and numbers; the transform and its state's structure reach
 the body through ``LeafUpdate.key``, the entry each engine makes in ``_UPDATES`` at ``init`` (a
