@@ -15,8 +15,10 @@ allocator hands out fresh pages); fzero eager and fzero compiled (``torch.compil
 fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
 compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
-rows); on a CPU also compiled from the pytree with the update in the step's graph, as a GPU runs it,
-not leaf by leaf as a CPU does (``Engine._leafwise``). Prints a markdown table with x floor and ratios, then the ratio of
+rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the leaves
+hold ``fzero.leafwise.MIN_MEAN_NUMEL`` elements or more on average, else (and on a GPU) in the
+step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
+table with x floor and ratios, then the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
 paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
 ``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing). ``--profile ROWS``: after the timings, the
@@ -120,15 +122,21 @@ def main(argv=None):
                   ("fzero eager, donate=False (pure)", "eager pure", False, False, False),
                   ("fzero compiled, donate=False (pure)", "compiled pure", True, False, False),
                   ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)]
-    if dev.type == "cpu":  # the path a GPU takes, beside the one a CPU takes (Engine._leafwise)
-        fzero_rows.append(("fzero compiled, update in the step's graph (a GPU's path)", "in graph", True, False, True))
+    # On a CPU the compiled update from the pytree runs leaf by leaf for leaves of MIN_MEAN_NUMEL
+    # elements or more on average, else in the step's graph (Engine._leafwise): the other path too.
+    leaf_by_leaf = dev.type == "cpu" and N >= fzero.leafwise.MIN_MEAN_NUMEL * len(sizes)
+    other = "in the step's graph" if leaf_by_leaf else "leaf by leaf"
+    if dev.type == "cpu":
+        fzero_rows.append((f"fzero compiled, update {other}", "other path", True, False, True))
     for label, key, compiled, flat_grads, donate in fzero_rows:
         if compiled and not args.compile:
             continue
         engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate)
-        if key == "in graph":  # not leaf by leaf: an engine's choice, made at init, turned off
-            engine._leafwise = lambda binding, device: False
+        chosen = fzero.leafwise.MIN_MEAN_NUMEL
+        if key == "other path":  # the engine chooses at init
+            fzero.leafwise.MIN_MEAN_NUMEL = 2**62 if leaf_by_leaf else 0
         carry = list(engine.init(params32))  # params, state, scaler_state
+        fzero.leafwise.MIN_MEAN_NUMEL = chosen
         step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
         # d(loss)/d(flat buffer) arrives already laid out (engine.flat_params): no per-leaf copy
         g = fzero.flatten(grads, engine.layout) if flat_grads else grads
@@ -153,7 +161,7 @@ def main(argv=None):
     # Paired rounds: each compiled row against torch's fused AdamW (the CPU target), alternated
     # so that drift in the machine's speed hits both; the ratio is the median of per-round ratios.
     # The pure rows also against fresh outputs: the floor where the allocator does not cache.
-    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer", "in graph")]
+    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer", "other path")]
     pairs += [(k, "fresh") for k in ("compiled pure", "eager pure")]
     paired = {f"{a} / {b}": paired_ratio(keep[a], keep[b], dev, rounds=args.rounds)
               for a, b in pairs if a in keep and b in keep}
@@ -172,7 +180,7 @@ def main(argv=None):
     names = {"fused": "torch fused AdamW", "fresh": "fresh outputs", "compiled": "fzero compiled (grads pytree, donate)",
              "eager": "fzero eager (grads pytree, donate)", "compiled pure": "fzero compiled (grads pytree, pure)",
              "eager pure": "fzero eager (grads pytree, pure)", "flat buffer": "fzero compiled (flat buffer, donate)",
-             "in graph": "fzero compiled (grads pytree, donate, update in the step's graph)"}
+             "other path": f"fzero compiled (grads pytree, donate, update {other})"}
     print(f"\npaired: median of {args.rounds} alternating rounds of 5 steps each\n")
     print(table([[names[k.split(" / ")[0]], names[k.split(" / ")[1]], f"{r:.2f}"] for k, r in paired.items()],
                 ["step", "against", "ratio"]))

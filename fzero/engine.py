@@ -31,7 +31,7 @@ from .binding import Binding, ZeroState, config_table, fresh_state, to_state_dev
 from .comm import Comm, SimulatedComm, comm_of_mesh
 from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
 from .grads import Accumulated, GradFn, GradPath
-from .leafwise import LeafUpdate
+from . import leafwise
 from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
 from .shard_view import ShardView, bind
@@ -145,7 +145,7 @@ class Engine:
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
             if self._leafwise(bound, device):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
-                leaves = LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype)
+                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype)
                 self._compiled_update = self._compiled_update._replace(leaves=leaves)
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "
@@ -302,18 +302,22 @@ class Engine:
 
     def _leafwise(self, b: Binding, device: torch.device) -> bool:
         """Whether a compiled step from a params pytree may run its update leaf by leaf
-        (``fzero.leafwise``): on a CPU, at world size 1, the state where the params are, an FP32
-        master beside FP16 or BF16 params, a transform elementwise on any slice (no blocks, no
-        context) whose state is ``[S]`` and 0-d tensors.
+        (``fzero.leafwise``): on a CPU, with leaves of ``leafwise.MIN_MEAN_NUMEL`` elements or
+        more on average, at world size 1, the state where the params are, an FP32 master beside
+        FP16 or BF16 params, a transform elementwise on any slice (no blocks, no context) whose
+        state is ``[S]`` and 0-d tensors.
 
-        A CPU only: what it saves is a CPU's (the grads' concatenation, a copy inductor's CPU code
-        never fuses, and new shard-sized buffers, fresh pages from the OS every step), and what
-        it costs is host time per leaf, which a GPU's kernels do not hide at a model's size: with
-        148 leaves of 1024 elements (GPT-2 small's count) the step took 12.4x fused AdamW leaf by
-        leaf, 0.93x with the update in the step's graph (docs/performance.md), where GPT-2
-        small's whole update is about 1 ms of an H200's bandwidth."""
-        S = b.grads.layout.shard_numel
-        return (device.type == "cpu" and self.comm.world_size == 1 and b.state_device == device
+        What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
+        fuses, and new shard-sized buffers, fresh pages from the OS every step); what it costs is
+        host time per leaf, which small leaves do not repay, nor a GPU's kernels hide at a
+        model's size: with 148 leaves of 1024 elements (GPT-2 small's count) the step took 12.6x
+        fused AdamW leaf by leaf, 0.97x with the update in the step's graph
+        (docs/performance.md), where GPT-2 small's whole update is about 1 ms of an H200's
+        bandwidth."""
+        layout = b.grads.layout
+        S = layout.shard_numel
+        return (device.type == "cpu" and layout.numel >= leafwise.MIN_MEAN_NUMEL * len(layout.shapes)
+                and self.comm.world_size == 1 and b.state_device == device
                 and self.master == "fp32" and self.param_dtype != torch.float32 and self.tx.block == 1
                 and not self.tx.needs_context and all(shape in ((S,), ()) for _, shape, _ in b.tx_leaves))
 

@@ -1,8 +1,9 @@
 """The compiled step's update from a grads pytree, leaf by leaf, as one opaque op.
 
-Compiled from a grads pytree at world size 1 on a CPU (``Engine._leafwise``: the host time
-per leaf this takes would not be hidden by a GPU's kernels), the update reads each grad leaf
-and writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers
+Compiled from a grads pytree at world size 1 on a CPU, with leaves of ``MIN_MEAN_NUMEL``
+elements or more on average (``Engine._leafwise``: the host time per leaf this takes would not
+be repaid by small leaves, nor hidden by a GPU's kernels), the update reads each grad leaf and
+writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers
 the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never fuses into the
 consumer), and a write into a slice of a graph input becomes, after functionalization, one
 masked pass over the whole state per leaf. So the step hands the update to a custom op, which
@@ -39,9 +40,15 @@ try:  # torch >= 2.5: a pass with a uuid keeps inductor's graph cache on
 except ImportError:  # pragma: no cover
     CustomGraphPass = object
 
-__all__ = ["LeafUpdate", "GROUP"]
+__all__ = ["LeafUpdate", "GROUP", "MIN_MEAN_NUMEL"]
 
 GROUP = 16  # leaves per call of a compiled graph: compile time grows with it, per-call overhead shrinks
+# The mean elements per leaf from which a CPU runs the update leaf by leaf (``Engine._leafwise``):
+# its host time per leaf against the step graph's concatenation and new buffers, per element.
+# ``benchmarks/step.py``, 2-core CPU, paired against fused AdamW, leaf by leaf / in the step's
+# graph: 148 leaves of 1024 elements 12.6x / 0.97x, 200 of 3e4 3.19x / 1.59x, 200 of 1e5
+# 2.01x / 2.87x (docs/performance.md).
+MIN_MEAN_NUMEL = 2**16
 
 _UPDATES: "weakref.WeakValueDictionary[int, LeafUpdate]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()

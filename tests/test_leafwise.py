@@ -12,6 +12,13 @@ from fzero import transforms
 from helpers import compiled_buffers, grads_like, grads_seq, odd_params
 
 
+@pytest.fixture(autouse=True)
+def leaf_by_leaf_at_any_size(monkeypatch):
+    """The test params are small: every engine here runs its update leaf by leaf, unless a test
+    says otherwise (``fzero.leafwise.MIN_MEAN_NUMEL``)."""
+    monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", 0)
+
+
 def adamw():
     return transforms.adamw(lr=1e-2, weight_decay=0.1, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p))
 
@@ -175,6 +182,23 @@ def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
     counters.clear()
     torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
     assert counters["stats"]["unique_graphs"] == 1 and engine._compiled_update.leaves is None
+
+
+def test_small_leaves_keep_the_update_in_the_steps_graph(monkeypatch):
+    """Leaves below ``MIN_MEAN_NUMEL`` elements on average: the host time per leaf would cost
+    more than the step graph's concatenation, so the update stays in the step's graph; leaves
+    that reach it on average run leaf by leaf."""
+    p0 = odd_params()  # 55 elements in 4 leaves
+    grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
+    for mean_numel, leaf_by_leaf in ((14, False), (13, True)):
+        monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", mean_numel)
+        engine = engine_for(torch.float16)
+        params, state, ss = engine.init(p0)
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
+        assert (engine._compiled_update.leaves is not None) == leaf_by_leaf
+        assert (counters["stats"]["unique_graphs"] > 1) == leaf_by_leaf
 
 
 def test_shared_scalars_merges_identical_pure_nodes_only():
