@@ -3,10 +3,10 @@
 Compiled from a grads pytree at world size 1 on a CPU, with leaves of ``MIN_MEAN_NUMEL``
 elements or more on average (``Engine._leafwise``: the host time per leaf this takes would not
 be repaid by small leaves, nor hidden by a GPU's kernels), the update reads each grad leaf and
-writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers
-the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never fuses into the
-consumer), and a write into a slice of a graph input becomes, after functionalization, one
-masked pass over the whole state per leaf. So the step hands the update to a custom op, which
+writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU:
+inductor lowers the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never
+fuses into the consumer), and a write into a slice of a graph input becomes, after
+functionalization, one masked pass over the whole state per leaf. So the step hands the update to a custom op, which
 the traced graph keeps whole: ``fzero::update_leaves`` (``donate=True``) mutates the master, the
 transform's ``[S]`` state and the params' flat buffer; ``fzero::updated_leaves`` (the pure step)
 returns new ones, each written once. Its body cuts each leaf's slices outside any graph and

@@ -40,8 +40,9 @@ class StepMode:
     flat buffer may be looked up (it is the input, or eager: compiled, a pytree's leaves are
     laid out instead). ``leafwise``: compiled from a params pytree at world size 1 on a CPU, for
     leaves large enough and a transform and master storage that allow it (the engine's
-    ``_leafwise``, ``fzero.leafwise``): the update runs leaf by leaf in one opaque op, reading the grads as
-    ``Segments`` (the leaves as they are); donated, it casts into the params' own buffer."""
+    ``_leafwise``, ``fzero.leafwise``): the update runs leaf by leaf in one opaque op, reading
+    the grads as ``Segments`` (the leaves as they are); donated, it casts into the params' own
+    buffer."""
 
     compiled: bool
     fused: bool

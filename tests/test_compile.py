@@ -49,11 +49,12 @@ def test_compiled_step_equals_eager_and_never_recompiles(param_dtype, leaf_by_le
     with torch._dynamo.config.patch(error_on_recompile=True):
         c_params, c_state, c_ss, c_infos = run(torch.compile(engine.step, fullgraph=True), engine, p0, seq, lr_at=3)
     # one graph served every step: the loss scale changed (backoff, growth) and so did lr; besides
-    # it, the update leaf by leaf (fzero.leafwise): a graph per kind of leaf group (here the
-    # leaves and the 1-element one), each compiled once
-    update_graphs = len(engine._compiled_update.leaves._compiled) if leaf_by_leaf else 0
-    assert update_graphs == (2 if leaf_by_leaf else 0)
-    assert counters["stats"]["unique_graphs"] == 1 + update_graphs
+    # it, leaf by leaf (fzero.leafwise), a graph per kind of leaf group (here the leaves and the
+    # 1-element one), each compiled once
+    leaves = engine._compiled_update.leaves
+    assert (leaves is not None) == leaf_by_leaf
+    update_graphs = len(leaves._compiled) if leaf_by_leaf else 0
+    assert update_graphs == (2 if leaf_by_leaf else 0) and counters["stats"]["unique_graphs"] == 1 + update_graphs
     assert [bool(i["found_inf"]) for i in c_infos] == [bool(i["found_inf"]) for i in e_infos] == [False, False, True, False, False]
     assert len({float(i["loss_scale"]) for i in c_infos}) > 1 or scaling is None
     for a, b in zip(optree.tree_leaves((c_state, c_ss)), optree.tree_leaves((e_state, e_ss))):
