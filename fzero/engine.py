@@ -309,11 +309,9 @@ class Engine:
 
         What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
         fuses, and new shard-sized buffers, fresh pages from the OS every step); what it costs is
-        host time per leaf, which small leaves do not repay, nor a GPU's kernels hide at a
-        model's size: with 148 leaves of 1024 elements (GPT-2 small's count) the step took 12.6x
-        fused AdamW leaf by leaf, 0.97x with the update in the step's graph
-        (docs/performance.md), where GPT-2 small's whole update is about 1 ms of an H200's
-        bandwidth."""
+        host time per leaf, which small leaves do not repay (the measurements behind
+        ``MIN_MEAN_NUMEL``), nor a GPU's kernels hide at a model's size (GPT-2 small's whole
+        update is about 1 ms of an H200's bandwidth; docs/performance.md)."""
         layout = b.grads.layout
         S = layout.shard_numel
         return (device.type == "cpu" and layout.numel >= leafwise.MIN_MEAN_NUMEL * len(layout.shapes)

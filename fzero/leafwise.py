@@ -6,16 +6,17 @@ be repaid by small leaves, nor hidden by a GPU's kernels), the update reads each
 writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU:
 inductor lowers the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never
 fuses into the consumer), and a write into a slice of a graph input becomes, after
-functionalization, one masked pass over the whole state per leaf. So the step hands the update to a custom op, which
-the traced graph keeps whole: ``fzero::update_leaves`` (``donate=True``) mutates the master, the
-transform's ``[S]`` state and the params' flat buffer; ``fzero::updated_leaves`` (the pure step)
-returns new ones, each written once. Its body cuts each leaf's slices outside any graph and
-passes them, each an input of its own, to graphs compiled at the first step (``torch.compile``
-of ``_update_leaves``): one loop per leaf, reading the grad leaf and writing master, moments and
-params, as the eager step's compiled chunks do (``fzero.update.compiled_chunks``). The leaves go
-in groups of at most ``GROUP``, each group a call of one graph with dynamic sizes: a model of
-hundreds of leaves compiles a graph or two of ``GROUP`` loops, not one loop per leaf in one graph
-(200 leaves on a 2-core CPU: the first step 82 s against 347 s, ``benchmarks/step.py``).
+functionalization, one masked pass over the whole state per leaf. So the step hands the update
+to a custom op, which the traced graph keeps whole: ``fzero::update_leaves`` (``donate=True``)
+mutates the master, the transform's ``[S]`` state and the params' flat buffer;
+``fzero::updated_leaves`` (the pure step) returns new ones, each written once. Its body cuts
+each leaf's slices outside any graph and passes them, each an input of its own, to graphs
+compiled at the first step (``torch.compile`` of ``_update_leaves``): one loop per leaf, reading
+the grad leaf and writing master, moments and params, as the eager step's compiled chunks do
+(``fzero.update.compiled_chunks``). The leaves go in groups of at most ``GROUP``, each group a
+call of one graph with dynamic sizes: a model of hundreds of leaves compiles a graph or two of
+``GROUP`` loops, not one loop per leaf in one graph (200 leaves on a 2-core CPU: the first step
+83 s against 347 s, ``benchmarks/step.py``).
 
 A custom op's schema carries tensors and numbers; the transform and its state's structure reach
 the body through ``LeafUpdate.key``, the entry each engine makes in ``_UPDATES`` at ``init`` (a
