@@ -45,7 +45,7 @@ def round_bf16(master: torch.Tensor) -> torch.Tensor:
     ``torch.compile`` for a CPU, in FP32 arithmetic (``_round_bf16_arith``), bit for bit the same
     (a GPU compiler may fuse its multiply and add into one FMA, which the arithmetic cannot take,
     and reads bits as int32 at no cost)."""
-    if compiling() and master.device.type == "cpu":
+    if compiling() and master.device.type == "cpu" and _inductor_rounds_each_op():
         return _round_bf16_arith(master)
     # (b + half) with the low 16 bits cleared is an FP32 value BF16 holds exactly: the cast that
     # follows does not round again.
@@ -54,37 +54,56 @@ def round_bf16(master: torch.Tensor) -> torch.Tensor:
     return torch.where(master != master, master, rounded).to(torch.bfloat16)
 
 
-_BIG, _DOWN, _UP = 2.0**100, 2.0**-32, 2.0**32  # Veltkamp's C * x must not overflow: scaled, exactly
-_TINY = 2.0**-126  # below: FP32 subnormals, which BF16 rounds at fixed steps (2^-133)
-_MAGIC8, _MAGIC9 = 1.5 * 2.0**-110, 1.5 * 2.0**-111  # (x + M) - M: to multiples of 2^-133, 2^-134
-_INF = float("inf")  # compared with: inductor's CPU code has no vector isinf
+@torch.compiler.assume_constant_result  # read once, when the step is traced: not traced itself
+def _inductor_rounds_each_op() -> bool:
+    """Whether inductor compiles CPU code with every FP32 product and sum rounded on its own, as
+    ``_round_bf16_arith`` needs: no contraction into FMAs and no unsafe math, its defaults. With
+    ``TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast`` or
+    ``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1`` (or the same in ``torch._inductor.config.cpp``)
+    the arithmetic form rounds about a third of FP32 patterns wrongly; there the rounding stays on
+    the bits (exact, slower). Flags passed as ``torch.compile(options=)`` take effect after tracing
+    and are not seen here. (A kernel built with unsafe math also turns on flush-to-zero for the
+    whole process when it loads, GCC's ``crtfastmath``: subnormals then read as zeros.)"""
+    import torch._inductor.config as inductor_config
+
+    cpp = inductor_config.cpp
+    return (getattr(cpp, "enable_floating_point_contract_flag", None) in (False, "off")
+            and getattr(cpp, "enable_unsafe_math_opt_flag", None) is False)
 
 
-def _veltkamp(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x`` to ``bits`` significant bits, to nearest (a tie either way): Dekker 1971."""
-    c = x * (2.0 ** (24 - bits) + 1)
-    return c + (x - c)
+_BIG, _DOWN = 2.0**100, 2.0**-32  # Veltkamp's C * x must not overflow: scaled, exactly
+_SPLIT9 = 2.0**15 + 1  # Veltkamp's C for 9 of FP32's 24 significant bits
+_NUDGE = 1 + 2.0**-9
 
 
 def _round_bf16_arith(x: torch.Tensor) -> torch.Tensor:
-    """``round_bf16`` in FP32 arithmetic. Inductor's CPU code has no vector form of reading FP32
-    bits as int32 (it moves each lane through memory), nor can a BF16 cast stand in for a
-    rounding inside a graph (inductor drops a cast to BF16 and back). ``r`` is ``x`` rounded to
-    BF16's 8 significant bits, to nearest; ``x`` is a tie iff it needs exactly 9 bits (it rounds
-    to itself at 9, not at 8); a tie that went toward zero takes the other neighbour, ``2x - r``
-    (exact). Subnormals round at BF16's fixed steps instead. Inductor compiles with
-    ``-ffp-contract=off`` and without unsafe math, which Veltkamp's split needs; subnormal masters
-    assume the default IEEE mode (``torch.set_flush_denormal(False)``)."""
-    a = x.abs()
-    big = a >= _BIG
-    xs = x * torch.where(big, _DOWN, 1.0)
-    tiny = a < _TINY
-    r8 = torch.where(tiny, (x + _MAGIC8) - _MAGIC8, _veltkamp(xs, 8))
-    r9 = torch.where(tiny, (x + _MAGIC9) - _MAGIC9, _veltkamp(xs, 9))  # (tiny: xs is x)
-    toward_zero_tie = (r9 == xs) & (r8 != xs) & (r8.abs() < xs.abs())
-    r = torch.where(toward_zero_tie, 2 * xs - r8, r8) * torch.where(big, _UP, 1.0)
-    r = torch.where(a == _INF, x, r)
-    return torch.copysign(r, x).to(torch.bfloat16)  # what rounds to 0 keeps the sign of x
+    """``round_bf16`` in FP32 arithmetic, for inductor's CPU code, which has no vector form of
+    reading FP32 bits as int32 (it moves each lane through memory). The cast to BF16 rounds to
+    nearest, ties to even; only exact ties need another rule, and every tie has at most 9
+    significant bits. So a value of at most 9 bits is first moved a little away from zero,
+    ``x * (1 + 2^-9)``, and then cast:
+
+    * with ``x`` in ``[2^e, 2^(e+1))`` the move ``x * 2^-9`` is in ``[1/4, 1/2)`` of a BF16 ulp
+      (``2^(e-7)``), and exact (at most 19 bits): a tie lands strictly between itself and its
+      neighbour away from zero, which the cast then takes; a value BF16 holds exactly stays
+      within half an ulp of itself and rounds back;
+    * a subnormal master rounds at BF16's fixed step ``2^-133`` instead: its ties (odd multiples
+      of ``2^-134``) have at most 8 bits, and a 9-bit value that is not a tie is at least its
+      own last bit away from one, more than the move;
+    * inf, NaN and zeros go through unchanged (``inf * c``, ``0 * c``).
+
+    "At most 9 bits" is Veltkamp's split (Dekker 1971): ``c = C x``, ``c + (x - c)`` is ``x``
+    rounded to 9 bits, equal to ``x`` iff it has at most 9. ``C x`` overflows beyond ``2^113``,
+    so large values are tested at ``2^-32`` of their size (exactly; the test does not change).
+    The split needs each product and sum rounded on its own: inductor compiles with
+    ``-ffp-contract=off`` and without unsafe math. Subnormal masters assume the default IEEE mode
+    (``torch.set_flush_denormal(False)``). Compiled, bit for bit the int32 form on every FP32
+    pattern (``FZERO_ALL_BINADES=1 pytest tests/test_remainder.py -k binade``; by default the
+    binades where this arithmetic has its edges)."""
+    xs = x * torch.where(x.abs() >= _BIG, _DOWN, 1.0)
+    c = xs * _SPLIT9
+    at_most_9_bits = c + (xs - c) == xs
+    return torch.where(at_most_9_bits, x * _NUDGE, x).to(torch.bfloat16)
 
 
 def _high(param: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """fzero.remainder and ``zero1(master="remainder")``: the FP32 master as (BF16 param, int16
 remainder), exact; training bit for bit equal to an FP32 master, in 10S bytes of state."""
 import hashlib
+import os
 
 import optree
 import pytest
@@ -70,6 +71,49 @@ def test_compiled_rounding_is_bit_for_bit_the_eager_one():
     for got in (torch.compile(round_bf16, dynamic=False)(x), fzero.remainder._round_bf16_arith(x)):
         assert got[nan].isnan().all()
         assert torch.equal(got.view(torch.int16)[~nan], want[~nan])
+
+
+# The binades (FP32 exponent fields) where the arithmetic form has its edges: subnormals and the
+# smallest normals (BF16's fixed step), 1.0's, around 2^100 (tested at 2^-32 of their size from
+# there) and 2^113 (where Veltkamp's C x would overflow), the largest, and inf/NaN.
+# FZERO_ALL_BINADES=1: all 256 binades, every FP32 pattern (about 2 minutes).
+EDGE_BINADES = [0, 1, 2, 127, 226, 227, 240, 241, 254, 255]
+BINADES = range(256) if os.environ.get("FZERO_ALL_BINADES") == "1" else EDGE_BINADES
+
+
+@pytest.fixture(scope="module")
+def compiled_arith():
+    return torch.compile(fzero.remainder._round_bf16_arith, dynamic=False)
+
+
+@pytest.mark.parametrize("binade", BINADES)
+def test_every_pattern_of_a_binade_rounds_bit_for_bit_the_same(binade, compiled_arith):
+    """All 2 x 2^23 patterns with this exponent field, both signs: the compiled arithmetic form
+    gives the int32 form's BF16 bits (NaN: a NaN)."""
+    mantissas = torch.arange(2**23, dtype=torch.int32)
+    bits = torch.cat([mantissas | (binade << 23), mantissas | (binade << 23) | -2**31])
+    x = bits.view(torch.float32)
+    got, want = compiled_arith(x), round_bf16(x)
+    nan = x.isnan()
+    assert got[nan].isnan().all()
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("flag", [("enable_floating_point_contract_flag", "fast"), ("enable_unsafe_math_opt_flag", True)],
+                         ids=["fp-contract", "unsafe-math"])
+def test_compiled_rounding_stays_exact_when_inductor_may_fuse_or_reorder_fp_ops(flag):
+    """Compiled with FMA contraction or unsafe math, the arithmetic form is wrong (Veltkamp's
+    split needs each product rounded); ``round_bf16`` then stays on the bits."""
+    mantissas = torch.arange(0, 2**23, 7, dtype=torch.int32)
+    x = torch.cat([mantissas | (b << 23) for b in (1, 127, 240)]).view(torch.float32)
+    try:
+        with torch._inductor.config.patch({f"cpp.{flag[0]}": flag[1]}):
+            got = torch.compile(round_bf16, dynamic=False)(x)
+    finally:
+        # a kernel built with unsafe math turns on flush-to-zero for the whole process when it
+        # loads (GCC's crtfastmath): later tests would see subnormals as zeros
+        torch.set_flush_denormal(False)
+    assert torch.equal(got.view(torch.int16), round_bf16(x).view(torch.int16))
 
 
 def test_cast_params_rounds_bf16_the_same_way():
