@@ -28,6 +28,7 @@ __all__ = ["round_bf16", "split", "join", "MAX_JOINED"]
 
 _HALF = 0x8000
 _HIGH = -0x10000  # int32 0xFFFF0000: the 16 bits a BF16 number keeps
+_TIE_TOWARD_ZERO_MASK = 0x1FFFF  # the last kept bit and the 16 below it
 _SHIFT = 0x10000  # * 2**16: 16 bits up (int32 arithmetic wraps as a shift does)
 MAX_JOINED = torch.tensor(0x7F7F7FFF, dtype=torch.int32).view(torch.float32).item()  # BF16 max's last FP32
 
@@ -41,17 +42,42 @@ MAX_JOINED = torch.tensor(0x7F7F7FFF, dtype=torch.int32).view(torch.float32).ite
 
 def round_bf16(master: torch.Tensor) -> torch.Tensor:
     """FP32 -> BF16, to nearest with ties away from zero (see the module docstring); NaN stays NaN,
-    values beyond BF16's range become +-inf (the caller saturates). On the bits, except traced by
-    ``torch.compile`` for a CPU, in FP32 arithmetic (``_round_bf16_arith``), bit for bit the same
-    (a GPU compiler may fuse its multiply and add into one FMA, which the arithmetic cannot take,
-    and reads bits as int32 at no cost)."""
-    if compiling() and master.device.type == "cpu" and _inductor_rounds_each_op():
+    values beyond BF16's range become +-inf (the caller saturates). Three forms of the same bits,
+    one for each place it runs:
+
+    * eager: torch's cast, then the ties it took toward zero one BF16 ulp up
+      (``_round_bf16_cast``): the fewest passes over memory;
+    * compiled for a CPU: FP32 arithmetic (``_round_bf16_arith``), as inductor's CPU code has no
+      vector form of reading FP32 bits as int32;
+    * compiled otherwise (a GPU), or where inductor may contract or use unsafe math: on the int32
+      bits (``_round_bf16_bits``), which a GPU reads at no cost. A GPU compiler may fuse the
+      arithmetic form's multiply and add into one FMA, which breaks it; the cast form's int16
+      fix-up has no vector form in inductor's CPU code."""
+    if not compiling():
+        return _round_bf16_cast(master)
+    if master.device.type == "cpu" and _inductor_rounds_each_op():
         return _round_bf16_arith(master)
+    return _round_bf16_bits(master)
+
+
+def _round_bf16_bits(master: torch.Tensor) -> torch.Tensor:
+    """``round_bf16`` on the int32 bits: ``(b + 0x8000) & 0xFFFF0000`` (the module docstring)."""
     # (b + half) with the low 16 bits cleared is an FP32 value BF16 holds exactly: the cast that
     # follows does not round again.
     rounded = ((master.view(torch.int32) + _HALF) & _HIGH).view(torch.float32)
     # NaN payloads in the low bits would carry into inf (or wrap the sign): keep NaN
     return torch.where(master != master, master, rounded).to(torch.bfloat16)
+
+
+def _round_bf16_cast(master: torch.Tensor) -> torch.Tensor:
+    """``round_bf16`` as torch's cast (to nearest, ties to even) and a fix-up: a tie whose kept
+    bits end in 0 (FP32 bits ``b & 0x1FFFF == 0x8000``) went toward zero, to the even neighbour,
+    whose last bit is 0; setting that bit is the neighbour away from zero. No carry, and a NaN
+    (which the cast makes a NaN, whatever its payload) stays one. Eager only (see ``round_bf16``)."""
+    param = master.to(torch.bfloat16)
+    toward_zero_tie = (master.view(torch.int32) & _TIE_TOWARD_ZERO_MASK) == _HALF
+    param.view(torch.int16).bitwise_or_(toward_zero_tie)
+    return param
 
 
 @torch.compiler.assume_constant_result  # read once, when the step is traced: not traced itself

@@ -55,20 +55,23 @@ def test_a_master_beyond_bf16s_range_saturates_instead_of_wrapping():
     assert torch.equal(engine.with_fp32_master(params, state).master[:5], back)
 
 
-def test_compiled_rounding_is_bit_for_bit_the_eager_one():
-    """Compiled for a CPU, ``round_bf16`` is FP32 arithmetic, not the bits (``_round_bf16_arith``):
-    the same BF16 values on random patterns, exact ties, subnormals of both signs, values near
-    BF16's and FP32's largest, zeros, inf and NaN; eager, the arithmetic form agrees too."""
+def test_every_form_of_the_rounding_is_bit_for_bit_the_int32_one():
+    """``round_bf16`` compiled for a CPU (FP32 arithmetic, ``_round_bf16_arith``), eager (torch's
+    cast and a fix-up of its ties, ``_round_bf16_cast``) and the arithmetic form run eagerly give
+    the int32 form's BF16 values on random patterns, exact ties, subnormals of both signs, values
+    near BF16's and FP32's largest, zeros, inf and NaN (with payloads a tie's low bits would
+    carry into the sign or the exponent)."""
     g = torch.Generator().manual_seed(1)
     edges = torch.tensor([0, 1, 0x8000, 0x18000, 0x7FFF, 0x007F8000, 0x007FFFFF, 0x00800000, 0x00808000, 0x3F7F8000,
-                          0x3F7FFFFF, 0x3F808000, 0x3F818000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000],
+                          0x3F7FFFFF, 0x3F808000, 0x3F818000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000,
+                          0x7F800001, 0x7F808000, 0x7FFE8000, 0x7FFF8000, 0x7FFFFFFF],
                          dtype=torch.int64).to(torch.int32)
     subnormal = torch.randint(0, 2**23, (20_000,), generator=g, dtype=torch.int64).to(torch.int32)
     bits = torch.cat([edges, subnormal, torch.randint(-2**31, 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)])
     x = torch.cat([fp32_patterns(200_000), bits.view(torch.float32), (bits | -2**31).view(torch.float32)])
-    want = round_bf16(x).view(torch.int16)
+    want = fzero.remainder._round_bf16_bits(x).view(torch.int16)
     nan = x.isnan()
-    for got in (torch.compile(round_bf16, dynamic=False)(x), fzero.remainder._round_bf16_arith(x)):
+    for got in (torch.compile(round_bf16, dynamic=False)(x), round_bf16(x), fzero.remainder._round_bf16_arith(x)):
         assert got[nan].isnan().all()
         assert torch.equal(got.view(torch.int16)[~nan], want[~nan])
 
@@ -89,14 +92,15 @@ def compiled_arith():
 @pytest.mark.parametrize("binade", BINADES)
 def test_every_pattern_of_a_binade_rounds_bit_for_bit_the_same(binade, compiled_arith):
     """All 2 x 2^23 patterns with this exponent field, both signs: the compiled arithmetic form
-    gives the int32 form's BF16 bits (NaN: a NaN)."""
+    and the eager cast form give the int32 form's BF16 bits (NaN: a NaN)."""
     mantissas = torch.arange(2**23, dtype=torch.int32)
     bits = torch.cat([mantissas | (binade << 23), mantissas | (binade << 23) | -2**31])
     x = bits.view(torch.float32)
-    got, want = compiled_arith(x), round_bf16(x)
+    want = fzero.remainder._round_bf16_bits(x)
     nan = x.isnan()
-    assert got[nan].isnan().all()
-    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    for got in (compiled_arith(x), fzero.remainder._round_bf16_cast(x)):
+        assert got[nan].isnan().all()
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
 
 
 @pytest.mark.parametrize("flag", [("enable_floating_point_contract_flag", "fast"), ("enable_unsafe_math_opt_flag", True)],
