@@ -79,7 +79,7 @@ def test_every_form_of_the_rounding_is_bit_for_bit_the_int32_one():
 # The binades (FP32 exponent fields) where the arithmetic form has its edges: subnormals and the
 # smallest normals (BF16's fixed step), 1.0's, around 2^100 (tested at 2^-32 of their size from
 # there) and 2^113 (where Veltkamp's C x would overflow), the largest, and inf/NaN.
-# FZERO_ALL_BINADES=1: all 256 binades, every FP32 pattern (about 2 minutes).
+# FZERO_ALL_BINADES=1: all 256 binades, every FP32 pattern (about 3 minutes).
 EDGE_BINADES = [0, 1, 2, 127, 226, 227, 240, 241, 254, 255]
 BINADES = range(256) if os.environ.get("FZERO_ALL_BINADES") == "1" else EDGE_BINADES
 
