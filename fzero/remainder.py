@@ -74,7 +74,7 @@ def _round_bf16_cast(master: torch.Tensor) -> torch.Tensor:
     bits end in 0 (FP32 bits ``b & 0x1FFFF == 0x8000``) went toward zero, to the even neighbour,
     whose last bit is 0; setting that bit is the neighbour away from zero. No carry, and a NaN
     (which the cast makes a NaN, whatever its payload) stays one. Eager only (see ``round_bf16``)."""
-    param = master.to(torch.bfloat16)
+    param = master.to(torch.bfloat16, copy=True)  # a new tensor, whatever the input: changed in place below
     toward_zero_tie = (master.view(torch.int32) & _TIE_TOWARD_ZERO_MASK) == _HALF
     param.view(torch.int16).bitwise_or_(toward_zero_tie)
     return param
