@@ -121,9 +121,9 @@ def _round_bf16_arith(x: torch.Tensor) -> torch.Tensor:
     "At most 9 bits" is Veltkamp's split (Dekker 1971): ``c = C x``, ``c + (x - c)`` is ``x``
     rounded to 9 bits, equal to ``x`` iff it has at most 9. ``C x`` overflows beyond ``2^113``,
     so large values are tested at ``2^-32`` of their size (exactly; the test does not change).
-    The split needs each product and sum rounded on its own: inductor compiles with
-    ``-ffp-contract=off`` and without unsafe math. Subnormal masters assume the default IEEE mode
-    (``torch.set_flush_denormal(False)``). Compiled, bit for bit the int32 form on every FP32
+    The split needs each product and sum rounded on its own: inductor's defaults, no FMA
+    contraction and no unsafe math (``_inductor_rounds_each_op`` checks them). Subnormal masters
+    assume the default IEEE mode (``torch.set_flush_denormal(False)``). Compiled, bit for bit the int32 form on every FP32
     pattern (``FZERO_ALL_BINADES=1 pytest tests/test_remainder.py -k binade``; by default the
     binades where this arithmetic has its edges)."""
     xs = x * torch.where(x.abs() >= _BIG, _DOWN, 1.0)

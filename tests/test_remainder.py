@@ -25,6 +25,13 @@ def fp32_patterns(n=1_000_000, seed=0):
     return m[torch.isfinite(m) & (m.abs() < torch.finfo(torch.bfloat16).max)]
 
 
+def assert_rounds_as_the_int32_form(got, x):
+    """``got``, some form of ``round_bf16(x)``: the int32 form's BF16 bits, and NaN where ``x`` is."""
+    want, nan = fzero.remainder._round_bf16_bits(x), x.isnan()
+    assert got[nan].isnan().all()
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
 def test_split_and_join_are_exact_and_the_rounding_is_nearest_ties_away():
     m = fp32_patterns()
     p = round_bf16(m)
@@ -69,11 +76,8 @@ def test_every_form_of_the_rounding_is_bit_for_bit_the_int32_one():
     subnormal = torch.randint(0, 2**23, (20_000,), generator=g, dtype=torch.int64).to(torch.int32)
     bits = torch.cat([edges, subnormal, torch.randint(-2**31, 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)])
     x = torch.cat([fp32_patterns(200_000), bits.view(torch.float32), (bits | -2**31).view(torch.float32)])
-    want = fzero.remainder._round_bf16_bits(x).view(torch.int16)
-    nan = x.isnan()
     for got in (torch.compile(round_bf16, dynamic=False)(x), round_bf16(x), fzero.remainder._round_bf16_arith(x)):
-        assert got[nan].isnan().all()
-        assert torch.equal(got.view(torch.int16)[~nan], want[~nan])
+        assert_rounds_as_the_int32_form(got, x)
 
 
 # The binades (FP32 exponent fields) where the arithmetic form has its edges: subnormals and the
@@ -96,11 +100,8 @@ def test_every_pattern_of_a_binade_rounds_bit_for_bit_the_same(binade, compiled_
     mantissas = torch.arange(2**23, dtype=torch.int32)
     bits = torch.cat([mantissas | (binade << 23), mantissas | (binade << 23) | -2**31])
     x = bits.view(torch.float32)
-    want = fzero.remainder._round_bf16_bits(x)
-    nan = x.isnan()
     for got in (compiled_arith(x), fzero.remainder._round_bf16_cast(x)):
-        assert got[nan].isnan().all()
-        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+        assert_rounds_as_the_int32_form(got, x)
 
 
 @pytest.mark.parametrize("flag", [("enable_floating_point_contract_flag", "fast"), ("enable_unsafe_math_opt_flag", True)],
@@ -117,7 +118,7 @@ def test_compiled_rounding_stays_exact_when_inductor_may_fuse_or_reorder_fp_ops(
         # a kernel built with unsafe math turns on flush-to-zero for the whole process when it
         # loads (GCC's crtfastmath): later tests would see subnormals as zeros
         torch.set_flush_denormal(False)
-    assert torch.equal(got.view(torch.int16), round_bf16(x).view(torch.int16))
+    assert_rounds_as_the_int32_form(got, x)
 
 
 def test_cast_params_rounds_bf16_the_same_way():
