@@ -123,9 +123,9 @@ def _round_bf16_arith(x: torch.Tensor) -> torch.Tensor:
     so large values are tested at ``2^-32`` of their size (exactly; the test does not change).
     The split needs each product and sum rounded on its own: inductor's defaults, no FMA
     contraction and no unsafe math (``_inductor_rounds_each_op`` checks them). Subnormal masters
-    assume the default IEEE mode (``torch.set_flush_denormal(False)``). Compiled, bit for bit the int32 form on every FP32
-    pattern (``FZERO_ALL_BINADES=1 pytest tests/test_remainder.py -k binade``; by default the
-    binades where this arithmetic has its edges)."""
+    assume the default IEEE mode (``torch.set_flush_denormal(False)``). Compiled, bit for bit
+    the int32 form on every FP32 pattern (``FZERO_ALL_BINADES=1 pytest tests/test_remainder.py
+    -k binade``; by default the binades where this arithmetic has its edges)."""
     xs = x * torch.where(x.abs() >= _BIG, _DOWN, 1.0)
     c = xs * _SPLIT9
     at_most_9_bits = c + (xs - c) == xs
