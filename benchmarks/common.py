@@ -61,9 +61,24 @@ def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> 
 
 
 def hardware(device: torch.device) -> str:
+    """The device the numbers come from: a GPU's name, or the CPU's model (Linux's
+    ``/proc/cpuinfo``), the vector instructions torch's kernels use on it and the threads."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads, torch {torch.__version__}"
+    isa = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
+    return (f"{cpu_model()} ({platform.machine()}{', ' + isa if isa else ''}) x{torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it (``model name`` in ``/proc/cpuinfo``); where
+    there is none, ``platform.processor()`` or the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names and names[0] else platform.processor() or platform.machine()
 
 
 def table(rows: list[list], header: list[str]) -> str:

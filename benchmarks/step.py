@@ -7,6 +7,7 @@ FP32) grads. The floor is the step's 28 bytes/element (read FP16 grad 2, FP32 ma
     python benchmarks/step.py --numel 2e7 --device cpu          # CPU, 2e7 elements
     python benchmarks/step.py --numel 1e9 --device cuda         # one GPU, 1e9 elements
     python benchmarks/step.py --blocks 2 --device cpu           # 5e7 elements in 12 leaves of 2 MLP blocks
+    python benchmarks/step.py --gpt small --device cpu          # the main job's GPT: 1.1e7 elements in 76 leaves
 
 Rows: torch.optim.AdamW fused / foreach on FP32 params; the classic FP16-params + FP32-master
 recipe (torch's amp unscale kernel, AdamW on the master, copy back); fresh outputs (allocate new
@@ -15,8 +16,8 @@ allocator hands out fresh pages); fzero eager and fzero compiled (``torch.compil
 fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
 compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
-rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the leaves
-hold ``fzero.leafwise.MIN_MEAN_NUMEL`` elements or more on average, else (and on a GPU) in the
+rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the model
+and its leaves are large enough (``fzero.leafwise.worthwhile``), else (and on a GPU) in the
 step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
 table with x floor and ratios, then the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
@@ -35,12 +36,23 @@ import sys
 import time
 from unittest import mock
 
+import optree
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
+from fzero.models import gpt  # noqa: E402
 from common import classic_step, hardware, median_time, paired_ratio, profile_table, table  # noqa: E402
+
+
+GPTS = {"small": lambda: gpt.GPTConfig.small(97),  # e2e.py's configs: the main job's vocabulary, GPT-2's
+        "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)}
+
+
+def gpt_leaf_sizes(config) -> list[int]:
+    """The element counts of ``fzero.models.gpt``'s leaves at ``config``, in the params' order."""
+    return [x.numel() for x in optree.tree_leaves(gpt.init(torch.Generator().manual_seed(0), config, device="meta"))]
 
 
 def main(argv=None):
@@ -51,6 +63,9 @@ def main(argv=None):
                     "--width, 6 leaves each ([w, 4w], [4w], [4w, 4w], [4w], [4w, w], [w]; 2 blocks of 1024: 5e7 "
                     "elements in 12 leaves)")
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--gpt", choices=GPTS, help="instead of --numel/--tensors: the leaves of fzero.models.gpt at this "
+                    "config (small: the main job's, 1.1e7 elements in 76 leaves, 50 of them biases and norm gains; "
+                    "gpt2: GPT-2 small's shapes)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16",
                     help="params and grads of the fzero rows: FP16 with a dynamic loss scale, or BF16 without")
@@ -66,6 +81,7 @@ def main(argv=None):
     dev = torch.device(args.device)
     w = args.width
     sizes = ([w * 4 * w, 4 * w, 16 * w * w, 4 * w, 4 * w * w, w] * args.blocks if args.blocks
+             else gpt_leaf_sizes(GPTS[args.gpt]()) if args.gpt
              else [int(args.numel) // args.tensors] * args.tensors)
     N = sum(sizes)
     gen = torch.Generator().manual_seed(0)
@@ -124,9 +140,9 @@ def main(argv=None):
                   ("fzero eager, donate=False (pure)", "eager pure", False, False, False),
                   ("fzero compiled, donate=False (pure)", "compiled pure", True, False, False),
                   ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)]
-    # On a CPU the compiled update from the pytree runs leaf by leaf for leaves of MIN_MEAN_NUMEL
-    # elements or more on average, else in the step's graph (Engine._leafwise): the other path too.
-    leaf_by_leaf = dev.type == "cpu" and N >= fzero.leafwise.MIN_MEAN_NUMEL * len(sizes)
+    # On a CPU the compiled update from the pytree runs leaf by leaf for enough elements in large
+    # enough leaves, else in the step's graph (fzero.leafwise.worthwhile): the other path too.
+    leaf_by_leaf = dev.type == "cpu" and fzero.leafwise.worthwhile(N, len(sizes))
     other = "in the step's graph" if leaf_by_leaf else "leaf by leaf"
     if dev.type == "cpu":
         fzero_rows.append((f"fzero compiled, update {other}", "other path", True, False, True))
@@ -134,7 +150,7 @@ def main(argv=None):
         if compiled and not args.compile:
             continue
         engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate)
-        other_path = (mock.patch.object(fzero.leafwise, "MIN_MEAN_NUMEL", 2**62 if leaf_by_leaf else 0)
+        other_path = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves: not leaf_by_leaf)
                       if key == "other path" else contextlib.nullcontext())
         with other_path:  # the engine chooses at init
             carry = list(engine.init(params32))  # params, state, scaler_state

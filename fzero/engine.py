@@ -302,19 +302,19 @@ class Engine:
 
     def _leafwise(self, b: Binding, device: torch.device) -> bool:
         """Whether a compiled step from a params pytree may run its update leaf by leaf
-        (``fzero.leafwise``): on a CPU, with leaves of ``leafwise.MIN_MEAN_NUMEL`` elements or
-        more on average, at world size 1, the state where the params are, an FP32 master beside
+        (``fzero.leafwise``): on a CPU, for a model and leaves large enough
+        (``leafwise.worthwhile``), at world size 1, the state where the params are, an FP32 master beside
         FP16 or BF16 params, a transform elementwise on any slice (no blocks, no context) whose
         state is ``[S]`` and 0-d tensors.
 
         What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
         fuses, and new shard-sized buffers, fresh pages from the OS every step); what it costs is
-        host time per leaf, which small leaves do not repay (the measurements behind
-        ``MIN_MEAN_NUMEL``), nor a GPU's kernels hide at a model's size (GPT-2 small's whole
+        host time per leaf, which small leaves or a small model do not repay (the measurements
+        behind ``leafwise.MIN_MEAN_NUMEL`` and ``MIN_NUMEL``), nor a GPU's kernels hide at a model's size (GPT-2 small's whole
         update is about 1 ms of an H200's bandwidth; docs/performance.md)."""
         layout = b.grads.layout
         S = layout.shard_numel
-        return (device.type == "cpu" and layout.numel >= leafwise.MIN_MEAN_NUMEL * len(layout.shapes)
+        return (device.type == "cpu" and leafwise.worthwhile(layout.numel, len(layout.shapes))
                 and self.comm.world_size == 1 and b.state_device == device
                 and self.master == "fp32" and self.param_dtype != torch.float32 and self.tx.block == 1
                 and not self.tx.needs_context and all(shape in ((S,), ()) for _, shape, _ in b.tx_leaves))

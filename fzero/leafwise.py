@@ -1,8 +1,8 @@
 """The compiled step's update from a grads pytree, leaf by leaf, as one opaque op.
 
-Compiled from a grads pytree at world size 1 on a CPU, with leaves of ``MIN_MEAN_NUMEL``
-elements or more on average (``Engine._leafwise``: the host time per leaf this takes would not
-be repaid by small leaves, nor hidden by a GPU's kernels), the update reads each grad leaf and
+Compiled from a grads pytree at world size 1 on a CPU, for ``MIN_NUMEL`` elements or more in
+leaves of ``MIN_MEAN_NUMEL`` or more on average (``worthwhile``: the host time per leaf this takes
+would not be repaid by small leaves or a small model, nor hidden by a GPU's kernels), the update reads each grad leaf and
 writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU:
 inductor lowers the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never
 fuses into the consumer), and a write into a slice of a graph input becomes, after
@@ -41,7 +41,7 @@ try:  # torch >= 2.5: a pass with a uuid keeps inductor's graph cache on
 except ImportError:  # pragma: no cover
     CustomGraphPass = object
 
-__all__ = ["LeafUpdate", "GROUP", "MIN_MEAN_NUMEL"]
+__all__ = ["LeafUpdate", "GROUP", "MIN_MEAN_NUMEL", "MIN_NUMEL", "worthwhile"]
 
 GROUP = 16  # leaves per call of a compiled graph: compile time grows with it, per-call overhead shrinks
 # The mean elements per leaf from which a CPU runs the update leaf by leaf (``Engine._leafwise``):
@@ -50,6 +50,20 @@ GROUP = 16  # leaves per call of a compiled graph: compile time grows with it, p
 # graph: 148 leaves of 1024 elements 12.6x / 0.97x, 200 of 3e4 3.19x / 1.59x, 200 of 1e5
 # 2.01x / 2.87x (docs/performance.md).
 MIN_MEAN_NUMEL = 2**16
+# The elements from which it does, whatever the mean: below, the step graph's concatenation of
+# 2-byte grads is under glibc's largest mmap threshold (32 MiB), so it and the graph's other new
+# buffers come back from the heap warm, and the step's graph costs little more than the flat
+# buffer. ``benchmarks/step.py --gpt small`` (the main job's GPT, 1.1e7 elements in 76 leaves,
+# 1.4e5 on average), paired against fused AdamW, leaf by leaf / in the step's graph: BF16
+# 3.48x / 1.76x, FP16 2.61x / 1.61x, the first call 83-87 s / 18-24 s; 200 leaves of 1e5 (2e7
+# elements): 3.14x / 4.14x (docs/performance.md).
+MIN_NUMEL = 2**24
+
+
+def worthwhile(numel: int, leaves: int) -> bool:
+    """Whether a CPU's compiled step runs the update of ``leaves`` leaves of ``numel`` elements in
+    all leaf by leaf (``Engine._leafwise`` adds what the path needs of the engine)."""
+    return numel >= MIN_NUMEL and numel >= MIN_MEAN_NUMEL * leaves
 
 _UPDATES: "weakref.WeakValueDictionary[int, LeafUpdate]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()

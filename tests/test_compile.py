@@ -36,7 +36,7 @@ def run(step, engine, p0, seq, *, lr_at=None):
 @pytest.mark.parametrize("param_dtype,leaf_by_leaf", [(torch.float16, True), (torch.bfloat16, True),
                                                       (torch.float16, False), (torch.bfloat16, False)])
 def test_compiled_step_equals_eager_and_never_recompiles(param_dtype, leaf_by_leaf, monkeypatch):
-    monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", 0 if leaf_by_leaf else 2**62)
+    monkeypatch.setattr(fzero.leafwise, "worthwhile", lambda numel, leaves: leaf_by_leaf)
     p0 = odd_params()
     scaling = fzero.DynamicLossScale(init_scale=2.0**10, growth_interval=2) if param_dtype == torch.float16 else None
     seq = grads_seq(p0, param_dtype, 2.0**10 if scaling else 1.0)

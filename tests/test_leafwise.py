@@ -15,8 +15,9 @@ from helpers import compiled_buffers, grads_like, grads_seq, odd_params
 @pytest.fixture(autouse=True)
 def leaf_by_leaf_at_any_size(monkeypatch):
     """The test params are small: every engine here runs its update leaf by leaf, unless a test
-    says otherwise (``fzero.leafwise.MIN_MEAN_NUMEL``)."""
+    says otherwise (``fzero.leafwise.worthwhile``)."""
     monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", 0)
+    monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", 0)
 
 
 def adamw():
@@ -184,14 +185,15 @@ def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
     assert counters["stats"]["unique_graphs"] == 1 and engine._compiled_update.leaves is None
 
 
-def test_small_leaves_keep_the_update_in_the_steps_graph(monkeypatch):
-    """Leaves below ``MIN_MEAN_NUMEL`` elements on average: the host time per leaf would cost
-    more than the step graph's concatenation, so the update stays in the step's graph; leaves
-    that reach it on average run leaf by leaf."""
+def test_small_leaves_or_a_small_model_keep_the_update_in_the_steps_graph(monkeypatch):
+    """Leaves below ``MIN_MEAN_NUMEL`` elements on average, or fewer than ``MIN_NUMEL`` elements
+    in all: the host time per leaf would cost more than the step graph's concatenation, so the
+    update stays in the step's graph; a model that reaches both runs leaf by leaf."""
     p0 = odd_params()  # 55 elements in 4 leaves
     grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
-    for mean_numel, leaf_by_leaf in ((14, False), (13, True)):
+    for mean_numel, numel, leaf_by_leaf in ((14, 0, False), (13, 0, True), (0, 56, False), (0, 55, True)):
         monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", mean_numel)
+        monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", numel)
         engine = engine_for(torch.float16)
         params, state, ss = engine.init(p0)
         torch._dynamo.reset()
