@@ -12,6 +12,17 @@ import time
 
 import torch
 
+from fzero.models import gpt
+
+# The GPT sizes the benchmarks run: the main job's configs at its data's vocabulary (97
+# characters); gpt2 at GPT-2 small's shapes, its vocabulary padded.
+GPT_CONFIGS = {
+    "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),
+    "tiny": lambda: gpt.GPTConfig.tiny(97),
+    "small": lambda: gpt.GPTConfig.small(97),
+    "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+}
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":

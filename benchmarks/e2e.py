@@ -50,17 +50,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # the main job's modules: recipe.py
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import hardware, profile_table, rows_of_ranks, sample_times, table  # noqa: E402
+from common import GPT_CONFIGS, hardware, profile_table, rows_of_ranks, sample_times, table  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from recipe import make_train_step, overlapped_train_step  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-CONFIGS = {  # the main job's configs at its data's vocabulary (97 characters); gpt2 at GPT-2's, padded
-    "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),
-    "tiny": lambda: gpt.GPTConfig.tiny(97),
-    "small": lambda: gpt.GPTConfig.small(97),
-    "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-}
+CONFIGS = GPT_CONFIGS
 LR, WEIGHT_DECAY = 3e-4, 0.1
 # glibc keeps freed memory in the process instead of unmapping it: no allocation is served by
 # mmap (threshold 4 GiB) and the heap is never trimmed back to the kernel.

@@ -45,11 +45,9 @@ from fzero.comm.collectives import FUNCTIONAL  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from fzero.shard_view import assign  # noqa: E402
 from fzero.transforms.muon import newton_schulz  # noqa: E402
-from common import hardware, profile_table, rows_of_ranks, sample_times, sync, table  # noqa: E402
+from common import GPT_CONFIGS, hardware, profile_table, rows_of_ranks, sample_times, sync, table  # noqa: E402
 
-CONFIGS = {"nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),
-           "small": lambda: gpt.GPTConfig.small(97),
-           "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)}
+CONFIGS = {k: GPT_CONFIGS[k] for k in ("nano", "small", "gpt2")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ADAMW = {"lr": 3e-3, "weight_decay": 0.1}
 MUON = {"lr": 0.02, "weight_decay": 0.01, "adjust_lr_fn": "match_rms_adamw"}

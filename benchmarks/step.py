@@ -43,11 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.models import gpt  # noqa: E402
-from common import classic_step, hardware, median_time, paired_ratio, profile_table, table  # noqa: E402
-
-
-GPTS = {"small": lambda: gpt.GPTConfig.small(97),  # e2e.py's configs: the main job's vocabulary, GPT-2's
-        "gpt2": lambda: gpt.GPTConfig(50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)}
+from common import GPT_CONFIGS, classic_step, hardware, median_time, paired_ratio, profile_table, table  # noqa: E402
 
 
 def gpt_leaf_sizes(config) -> list[int]:
@@ -63,7 +59,7 @@ def main(argv=None):
                     "--width, 6 leaves each ([w, 4w], [4w], [4w, 4w], [4w], [4w, w], [w]; 2 blocks of 1024: 5e7 "
                     "elements in 12 leaves)")
     ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--gpt", choices=GPTS, help="instead of --numel/--tensors: the leaves of fzero.models.gpt at this "
+    ap.add_argument("--gpt", choices=("small", "gpt2"), help="instead of --numel/--tensors: the leaves of fzero.models.gpt at this "
                     "config (small: the main job's, 1.1e7 elements in 76 leaves, 50 of them biases and norm gains; "
                     "gpt2: GPT-2 small's shapes)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +77,7 @@ def main(argv=None):
     dev = torch.device(args.device)
     w = args.width
     sizes = ([w * 4 * w, 4 * w, 16 * w * w, 4 * w, 4 * w * w, w] * args.blocks if args.blocks
-             else gpt_leaf_sizes(GPTS[args.gpt]()) if args.gpt
+             else gpt_leaf_sizes(GPT_CONFIGS[args.gpt]()) if args.gpt
              else [int(args.numel) // args.tensors] * args.tensors)
     N = sum(sizes)
     gen = torch.Generator().manual_seed(0)

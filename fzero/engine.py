@@ -303,15 +303,16 @@ class Engine:
     def _leafwise(self, b: Binding, device: torch.device) -> bool:
         """Whether a compiled step from a params pytree may run its update leaf by leaf
         (``fzero.leafwise``): on a CPU, for a model and leaves large enough
-        (``leafwise.worthwhile``), at world size 1, the state where the params are, an FP32 master beside
-        FP16 or BF16 params, a transform elementwise on any slice (no blocks, no context) whose
-        state is ``[S]`` and 0-d tensors.
+        (``leafwise.worthwhile``), at world size 1, the state where the params are, an FP32
+        master beside FP16 or BF16 params, a transform elementwise on any slice (no blocks, no
+        context) whose state is ``[S]`` and 0-d tensors.
 
         What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
         fuses, and new shard-sized buffers, fresh pages from the OS every step); what it costs is
         host time per leaf, which small leaves or a small model do not repay (the measurements
-        behind ``leafwise.MIN_MEAN_NUMEL`` and ``MIN_NUMEL``), nor a GPU's kernels hide at a model's size (GPT-2 small's whole
-        update is about 1 ms of an H200's bandwidth; docs/performance.md)."""
+        behind ``leafwise.MIN_MEAN_NUMEL`` and ``MIN_NUMEL``), nor a GPU's kernels hide at a
+        model's size (GPT-2 small's whole update is about 1 ms of an H200's bandwidth;
+        docs/performance.md)."""
         layout = b.grads.layout
         S = layout.shard_numel
         return (device.type == "cpu" and leafwise.worthwhile(layout.numel, len(layout.shapes))

@@ -1,22 +1,22 @@
 """The compiled step's update from a grads pytree, leaf by leaf, as one opaque op.
 
 Compiled from a grads pytree at world size 1 on a CPU, for ``MIN_NUMEL`` elements or more in
-leaves of ``MIN_MEAN_NUMEL`` or more on average (``worthwhile``: the host time per leaf this takes
-would not be repaid by small leaves or a small model, nor hidden by a GPU's kernels), the update reads each grad leaf and
-writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU:
-inductor lowers the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never
-fuses into the consumer), and a write into a slice of a graph input becomes, after
-functionalization, one masked pass over the whole state per leaf. So the step hands the update
-to a custom op, which the traced graph keeps whole: ``fzero::update_leaves`` (``donate=True``)
-mutates the master, the transform's ``[S]`` state and the params' flat buffer;
-``fzero::updated_leaves`` (the pure step) returns new ones, each written once. Its body cuts
-each leaf's slices outside any graph and passes them, each an input of its own, to graphs
-compiled at the first step (``torch.compile`` of ``_update_leaves``): one loop per leaf, reading
-the grad leaf and writing master, moments and params, as the eager step's compiled chunks do
-(``fzero.update.compiled_chunks``). The leaves go in groups of at most ``GROUP``, each group a
-call of one graph with dynamic sizes: a model of hundreds of leaves compiles a graph or two of
-``GROUP`` loops, not one loop per leaf in one graph (200 leaves on a 2-core CPU: the first step
-83 s against 347 s, ``benchmarks/step.py``).
+leaves of ``MIN_MEAN_NUMEL`` or more on average (``worthwhile``: the host time per leaf this
+takes would not be repaid by small leaves or a small model, nor hidden by a GPU's kernels), the
+update reads each grad leaf and writes each leaf's slice of the flat FP32 state. Inside one
+graph neither is cheap on a CPU: inductor lowers the leaves' concatenation to a copy into a new
+buffer (its CPU ``cat`` never fuses into the consumer), and a write into a slice of a graph
+input becomes, after functionalization, one masked pass over the whole state per leaf. So the
+step hands the update to a custom op, which the traced graph keeps whole:
+``fzero::update_leaves`` (``donate=True``) mutates the master, the transform's ``[S]`` state and
+the params' flat buffer; ``fzero::updated_leaves`` (the pure step) returns new ones, each
+written once. Its body cuts each leaf's slices outside any graph and passes them, each an input
+of its own, to graphs compiled at the first step (``torch.compile`` of ``_update_leaves``): one
+loop per leaf, reading the grad leaf and writing master, moments and params, as the eager step's
+compiled chunks do (``fzero.update.compiled_chunks``). The leaves go in groups of at most
+``GROUP``, each group a call of one graph with dynamic sizes: a model of hundreds of leaves
+compiles a graph or two of ``GROUP`` loops, not one loop per leaf in one graph (200 leaves on a
+2-core CPU: the first step 83 s against 347 s, ``benchmarks/step.py``).
 
 A custom op's schema carries tensors and numbers; the transform and its state's structure reach
 the body through ``LeafUpdate.key``, the entry each engine makes in ``_UPDATES`` at ``init`` (a
@@ -50,11 +50,11 @@ GROUP = 16  # leaves per call of a compiled graph: compile time grows with it, p
 # graph: 148 leaves of 1024 elements 12.6x / 0.97x, 200 of 3e4 3.19x / 1.59x, 200 of 1e5
 # 2.01x / 2.87x (docs/performance.md).
 MIN_MEAN_NUMEL = 2**16
-# The elements from which it does, whatever the mean: below, the step graph's concatenation of
-# 2-byte grads is under glibc's largest mmap threshold (32 MiB), so it and the graph's other new
-# buffers come back from the heap warm, and the step's graph costs little more than the flat
-# buffer. ``benchmarks/step.py --gpt small`` (the main job's GPT, 1.1e7 elements in 76 leaves,
-# 1.4e5 on average), paired against fused AdamW, leaf by leaf / in the step's graph: BF16
+# The elements from which it does, whatever the mean: below, the step's graph cost little more
+# than the flat buffer in the runs below (there its concatenation of 2-byte grads is under
+# glibc's largest mmap threshold, 32 MiB, and comes back warm from the heap).
+# ``benchmarks/step.py --gpt small`` (the main job's GPT, 1.1e7 elements in 76 leaves, 1.4e5 on
+# average), paired against fused AdamW, leaf by leaf / in the step's graph: BF16
 # 3.48x / 1.76x, FP16 2.61x / 1.61x, the first call 83-87 s / 18-24 s; 200 leaves of 1e5 (2e7
 # elements): 3.14x / 4.14x (docs/performance.md).
 MIN_NUMEL = 2**24
@@ -64,6 +64,7 @@ def worthwhile(numel: int, leaves: int) -> bool:
     """Whether a CPU's compiled step runs the update of ``leaves`` leaves of ``numel`` elements in
     all leaf by leaf (``Engine._leafwise`` adds what the path needs of the engine)."""
     return numel >= MIN_NUMEL and numel >= MIN_MEAN_NUMEL * leaves
+
 
 _UPDATES: "weakref.WeakValueDictionary[int, LeafUpdate]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
