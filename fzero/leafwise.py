@@ -174,6 +174,7 @@ def _update_leaves(tx, grads, mean_factor, ins, params, skip, norm, param_dtype,
     ``mean_factor`` on ``ins[i] = (master, tx_state)``, slices of the state, written into
     ``outs[i]`` (slices of new tensors; ``None``: into ``ins[i]``, in place), the params cast
     into ``params[i]``. Returns the new state's 0-d leaves (every piece computes the same ones)."""
+    norm = norm.reshape(())  # the 0-d norm, given as [1] (see ``_run``)
     scalars = []
     for g, (master, tx_state), out, p in zip(grads, ins, ins if outs is None else outs, params):
         scalars = _update_into(tx, g.float() * mean_factor, master, tx_state, skip, norm, param_dtype,
@@ -209,6 +210,9 @@ def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, nor
         return u.spec.unflatten([next(sized)[lo:hi] if s else next(scalar) for s in u.sized])
 
     new_scalars = []
+    # The norm as a [1] tensor: dynamo traces a 0-d float64 CPU input as a symbolic float, guarded
+    # on not being NaN, and the first step with a NaN grad (its norm NaN) compiled every graph again.
+    norm = norm.reshape(1)
     # No duck shapes: a slice's offset that equals another leaf's size is then no guard (a torch
     # without the option recompiles such a group instead).
     no_duck = (fx_config.patch(use_duck_shape=False) if hasattr(fx_config, "use_duck_shape")

@@ -135,11 +135,13 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
 
     * FP32 when ``bounded``: every element is a sum of at most 2^30 FP16 values, ranks times
       micro-batches (|g| <= 7e13: squared and summed over a row, far below 3.4e38);
-    * FP32, the row first multiplied by the power of two that brings its largest magnitude
-      into [0.5, 4) (exact), for BF16 and FP32 grads ``compiled``: no square can overflow
-      (they reach 3.4e38, whose square FP32 cannot hold), and nothing is lost that the row's
-      norm would show. Inductor's float64 reduction on CPU takes 2-4x as long; eager, the
-      same in small ops would be slower than float64;
+    * FP32, the row first multiplied by ``1 / m``, ``m`` half its mean magnitude (at least its
+      largest over ``2 * NORM_ROW``), for BF16 and FP32 grads ``compiled``:
+      every scaled element is at most ``2 * NORM_ROW``, so no square can overflow (the grads
+      reach 3.4e38, whose square FP32 cannot hold), and the largest at least 2 (a row of tiny
+      or subnormal values is multiplied by 2^100), so nothing is lost that the row's norm
+      would show (``_scaled_row_sumsq``). Inductor's float64 reduction on CPU takes 2-4x as
+      long; eager, the same in small ops would be slower than float64;
     * float64 otherwise (eager BF16 or FP32): it never overflows for finite inputs.
 
     Each is exact to ~1e-7 relative (a running sum of 256 terms; one over 2^18 terms would lose
@@ -157,29 +159,37 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
         tails = torch.cat([t.to(dtype) for t in tails] + [tails[0].new_zeros(pad, dtype=dtype)])
         rows.append(tails.view(-1, NORM_ROW))
     if scaled:
-        # Summed part by part, not concatenated first: the row norms then need no buffer, and
-        # inductor runs each row's largest magnitude and its scaled sum of squares in one loop
-        # over the grads, where it ran two.
-        return sum(_scaled_row_norms(r).square().sum() for r in rows)
+        # Summed part by part, not concatenated first: the rows' scales and scaled sums of
+        # squares then need no buffer, and inductor runs both reductions in one loop over the grads.
+        return sum(_scaled_row_sumsq(r).sum() for r in rows)
     norms = [torch.linalg.vector_norm(r, dim=1, dtype=dtype) for r in rows]
     return torch.cat(norms).double().square().sum()
 
 
-def _scaled_row_norms(rows: torch.Tensor) -> torch.Tensor:
-    """``[R, NORM_ROW]`` -> ``[R]`` float64 row norms, each taken in FP32 of the row multiplied
-    by a power of two (exact) that brings its largest magnitude below 4: no square overflows.
-    An inf or NaN stays non-finite."""
+def _scaled_row_sumsq(rows: torch.Tensor) -> torch.Tensor:
+    """``[R, NORM_ROW]`` -> ``[R]`` float64 sums of squares, each taken in FP32 of the row
+    multiplied by ``s = 1 / m``, ``m`` the sum of its magnitudes over ``2 * NORM_ROW``; then
+    divided by ``s**2`` in float64 (the same ``s``: only the FP32 products round, ~1e-7 relative).
+
+    With ``a`` the row's largest magnitude, ``a / (2 * NORM_ROW) <= m <= a / 2``: the scaled
+    elements are at most ``2 * NORM_ROW`` and the largest at least 2. ``m`` is kept in
+    ``[2**-100, 2**126]``: below (all zeros, or subnormal grads whose terms underflowed),
+    ``s = 2**100``, exact, which lifts every subnormal into normal range; above (a finite row
+    reaches at most ``2**127``, and only in FP32's top octave), ``s = 2**-126``, under which
+    such a row's largest is still at least 2 and at most 4. An inf makes ``m`` inf and ``s``
+    ``2**-126``: the sum is inf, as the float64 sum of the squares would be; a NaN makes it NaN.
+
+    The mean magnitude, not the largest: inductor's CPU code takes a max reduction with NaN
+    propagation, about twice the vector operations of a sum (the compiled BF16 step on the flat
+    buffer, docs/performance.md)."""
     x = rows.float()
-    amax = x.abs().amax(dim=1, keepdim=True)
-    # The factor 2^(126 - E) from amax's biased exponent E, built from its bits: amax in
-    # [2^(E-127), 2^(E-126)) becomes [0.5, 1). Its biased exponent 253 - E is kept in [1, 253],
-    # a normal number: 2^126 for a zero or subnormal amax (nothing that small can overflow),
-    # 2^-126 for the top octave (then [2, 4)) and for inf/NaN (which stay non-finite). Integer
-    # ops, which inductor vectorizes; frexp/ldexp are libm calls per element there.
-    biased = torch.bitwise_right_shift(amax.view(torch.int32), 23) & 0xFF
-    scale = torch.bitwise_left_shift((253 - biased).clamp(1, 253), 23).view(torch.float32)
-    norms = torch.linalg.vector_norm(x * scale, dim=1, keepdim=True)
-    return (norms.double() / scale.double()).squeeze(1)
+    m = (x.abs() * (0.5 / NORM_ROW)).sum(dim=1, keepdim=True).clamp(_MIN_MEAN, _MAX_MEAN)
+    s = 1.0 / m
+    sumsq = (x * s).square().sum(dim=1)
+    return sumsq.double() / s.squeeze(1).double().square()
+
+
+_MIN_MEAN, _MAX_MEAN = 2.0**-100, 2.0**126  # the row scales' inverses: powers of two, FP32 normals
 
 
 def _chunks(S: int, chunk: int | None, block: int = 1):

@@ -42,6 +42,10 @@ def init_group(rank: int, world_size: int, timeout: float = 60.0) -> None:
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
+    # Every rank connected before any goes on: gloo's init returns on a rank once its own side of
+    # each connection is made, and a rank that then fails at once (a test of a peer's failure)
+    # closed its sockets while its peer was still connecting, which failed the peer's init.
+    dist.barrier()
 
 
 def require_tier(tier: str, what: str) -> None:

@@ -67,17 +67,20 @@ def test_sum_of_squares_of_the_largest_fp16_sums_is_finite_and_exact_enough(boun
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_sum_of_squares_of_bf16_and_fp32_grads_spans_their_whole_range(compiled, dtype):
     # BF16 and FP32 reach 3.4e38, whose square FP32 cannot hold, and go down to 1e-40: each
-    # row is scaled by a power of two before its FP32 sum (compiled), so neither end is lost;
-    # 3.38e38 is in the top octave, 1e-40 subnormal
+    # row is scaled by the inverse of its mean magnitude before its FP32 sum (compiled), and a
+    # row of tiny values by 2^100, so neither end is lost; 3.38e38 is in the top octave, 1e-40
+    # subnormal, 2^-100 in a row of zeros has a mean below 2^-100
     f = (lambda g: sum_of_squares(fzero.grads.Segments.of(g, False), bounded=False, compiled=compiled))
     f = torch.compile(f) if compiled else f
     # every input 905 elements (3 full rows and a tail): one compiled graph
-    for vals in ([3.38e38, -3.38e38, 1.0], [1e-40, -2e-40], [1e-30, 5.0, -3.0], [0.0], [1.5e38, 2.0]):
+    for vals in ([3.38e38, -3.38e38, 1.0], [1e-40, -2e-40], [1e-30, 5.0, -3.0], [0.0], [1.5e38, 2.0],
+                 [2.0**-100, 0.0, 0.0], [3.38e38, 1e-40, 0.0]):
         g = torch.tensor((vals * 900)[:900] + [7.0] * 5).to(dtype)
         got, want = f(g), g.double().square().sum()
         assert got.dtype == torch.float64 and math.isfinite(got)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    for bad in (float("inf"), float("-inf"), float("nan")):
+    for bad in (float("inf"), float("-inf"), float("nan")):  # as the float64 sum: inf or NaN
         g = torch.ones(905, dtype=dtype)
         g[300] = bad
-        assert not math.isfinite(f(g))
+        got = float(f(g))
+        assert math.isnan(got) if math.isnan(bad) else got == math.inf, (bad, got)
