@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,14 @@ def sample_times(fns, device: torch.device, *, iters: int, warmup: int, before=N
 def median_time(fn, device: torch.device, *, iters: int = 20, warmup: int = 3, before=None) -> float:
     """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (see ``sample_times``)."""
     return statistics.median(sample_times(fn, device, iters=iters, warmup=warmup, before=before))
+
+
+def fresh_mib(run) -> float:
+    """MiB of memory that ``run()`` touched for the first time: minor page faults x page size
+    (this process, host memory: on a CPU, the pages the kernel zeroed for it)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    run()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize() / 2**20
 
 
 def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> float:

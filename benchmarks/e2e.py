@@ -35,7 +35,6 @@ import argparse
 import functools
 import json
 import os
-import resource
 import statistics
 import sys
 
@@ -50,7 +49,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # the main job's modules: recipe.py
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import GPT_CONFIGS, hardware, profile_table, rows_of_ranks, sample_times, table  # noqa: E402
+from common import GPT_CONFIGS, fresh_mib, hardware, profile_table, rows_of_ranks, sample_times, table  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from recipe import make_train_step, overlapped_train_step  # noqa: E402
 
@@ -186,13 +185,6 @@ def block(step, steps: int, world: int):
             dist.barrier()
 
     return run
-
-
-def fresh_mib(run) -> float:
-    """MiB of memory that ``run()`` touched for the first time: minor page faults x page size."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    run()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize() / 2**20
 
 
 def measure(args, dtype_name: str, world: int, rank: int, dev) -> dict:

@@ -19,7 +19,9 @@ params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scal
 rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the model
 and its leaves are large enough (``fzero.leafwise.worthwhile``), else (and on a GPU) in the
 step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
-table with x floor and ratios, then the ratio of
+table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory one call touched for
+the first time, ``common.fresh_mib``: whether the fresh-outputs floor and the pure rows met fresh
+pages in this run; an allocator that keeps freed memory hands out none), then the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
 paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
 ``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing). ``--profile ROWS``: after the timings, the
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.models import gpt  # noqa: E402
-from common import GPT_CONFIGS, classic_step, hardware, median_time, paired_ratio, profile_table, table  # noqa: E402
+from common import GPT_CONFIGS, classic_step, fresh_mib, hardware, median_time, paired_ratio, profile_table, table  # noqa: E402
 
 
 def gpt_leaf_sizes(config) -> list[int]:
@@ -83,7 +85,13 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(0)
     rand = lambda n, dtype=torch.float32: torch.randn(n, generator=gen).to(dev, dtype)
     bench = lambda fn: median_time(fn, dev, iters=args.iters)
-    ms = {}
+    ms, fresh = {}, {}
+
+    def measure(label, fn):
+        """``fn``'s median time as row ``label``; on a CPU also the fresh MiB of one more call."""
+        ms[label] = bench(fn)
+        if dev.type == "cpu":
+            fresh[label] = fresh_mib(fn)
 
     # floor: copy bandwidth (bytes read + written per second)
     src = rand(N // 2)
@@ -101,7 +109,7 @@ def main(argv=None):
             p.grad = rand(p.numel()) * 1e-3
         opt = torch.optim.AdamW(ps, lr=1e-4, **{impl: True})
         try:
-            ms[f"torch AdamW({impl}=True), FP32 params"] = bench(opt.step)
+            measure(f"torch AdamW({impl}=True), FP32 params", opt.step)
             if impl == "fused":
                 keep["fused"] = opt.step
         except RuntimeError as e:  # fused needs a device/dtype torch supports
@@ -113,7 +121,7 @@ def main(argv=None):
     g16 = [rand(s, torch.float16) for s in sizes]
     classic = classic_step(p16, g16, fused=dev.type == "cuda")
 
-    ms["classic FP16 + FP32 master (amp unscale, AdamW, copy)"] = bench(classic)
+    measure("classic FP16 + FP32 master (amp unscale, AdamW, copy)", classic)
     del p16, classic
 
     # fresh pages: what the pure step must at least do on an allocator that does not cache --
@@ -122,7 +130,7 @@ def main(argv=None):
         for dtype in (torch.float32, torch.float32, torch.float32, torch.float16):
             torch.empty(N, dtype=dtype, device=dev).fill_(1.0)
 
-    ms["fresh outputs (new master, moments, params written once)"] = bench(fresh_outputs)
+    measure("fresh outputs (new master, moments, params written once)", fresh_outputs)
     keep["fresh"] = fresh_outputs
 
     # fzero, world size 1
@@ -164,7 +172,7 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         first_s[label] = time.perf_counter() - t0
-        ms[label] = bench(run)
+        measure(label, run)
         keep[key] = run
         if args.profile and compiled:
             profiles[label] = profile_table(run, args.profile)
@@ -183,13 +191,14 @@ def main(argv=None):
     fused_ms = ms.get("torch AdamW(fused=True), FP32 params")
     classic_ms = ms["classic FP16 + FP32 master (amp unscale, AdamW, copy)"]
     rows = [
-        [name, f"{t * 1e3:.2f}", f"{t / floor:.2f}", f"{t / fused_ms:.2f}" if fused_ms else "-", f"{classic_ms / t:.2f}"]
+        [name, f"{t * 1e3:.2f}", f"{t / floor:.2f}", f"{t / fused_ms:.2f}" if fused_ms else "-", f"{classic_ms / t:.2f}",
+         f"{fresh[name]:.0f}" if name in fresh else "-"]
         for name, t in ms.items()
     ]
     print(f"\n{N:.3g} elements in {len(sizes)} tensors, fzero params and grads {args.dtype.upper()}, on {hardware(dev)}; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s; "
           f"median of {args.iters}\n")
-    print(table(rows, ["step", "ms", "x floor", "x torch fused", "classic / this"]))
+    print(table(rows, ["step", "ms", "x floor", "x torch fused", "classic / this", "fresh MiB"]))
     names = {"fused": "torch fused AdamW", "fresh": "fresh outputs", "compiled": "fzero compiled (grads pytree, donate)",
              "eager": "fzero eager (grads pytree, donate)", "compiled pure": "fzero compiled (grads pytree, pure)",
              "eager pure": "fzero eager (grads pytree, pure)", "flat buffer": "fzero compiled (flat buffer, donate)",
@@ -204,7 +213,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"numel": N, "dtype": args.dtype, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},
-                       "paired_over_fused": paired, "first_call_s": first_s}, f, indent=1)
+                       "paired_over_fused": paired, "first_call_s": first_s, "fresh_mib": fresh}, f, indent=1)
     return ms
 
 

@@ -1,10 +1,11 @@
-"""benchmarks/e2e.py's allocator settings and its fresh-pages measure. Under glibc's defaults a
-buffer above the mmap threshold is mapped when allocated and unmapped when freed: fresh pages
-every time. Under ``--malloc caching`` (``MALLOC_CACHING``) it comes from the heap, and when freed
-its pages stay there for the next allocation to reuse. Which allocation first finds a freed
-region large enough is not fixed (small objects allocated in between may take the start of one,
-and the heap then grows again: the fifth of 8 allocations still did in one run), so the test reads
-where the buffer lives and what the heap keeps (glibc's ``mallinfo2``), not when reuse begins."""
+"""benchmarks/e2e.py's allocator settings and the fresh-pages measure (``common.fresh_mib``).
+Under glibc's defaults a buffer above the mmap threshold is mapped when allocated and unmapped
+when freed: fresh pages every time. Under ``--malloc caching`` (``MALLOC_CACHING``) it comes from
+the heap, and when freed its pages stay there for the next allocation to reuse. Which allocation
+first finds a freed region large enough is not fixed (small objects allocated in between may
+take the start of one, and the heap then grows again: the fifth of 8 allocations still did in
+one run), so the test reads where the buffer lives and what the heap keeps (glibc's
+``mallinfo2``), not when reuse begins."""
 import json
 import os
 import sys
@@ -16,7 +17,7 @@ from helpers import REPO, run_script
 SNIPPET = """
 import ctypes, json, sys, torch
 sys.path.insert(0, "benchmarks")
-from e2e import fresh_mib
+from common import fresh_mib
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
