@@ -19,9 +19,10 @@ params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scal
 rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the model
 and its leaves are large enough (``fzero.leafwise.worthwhile``), else (and on a GPU) in the
 step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
-table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory one call touched for
-the first time, ``common.fresh_mib``: whether the fresh-outputs floor and the pure rows met fresh
-pages in this run; an allocator that keeps freed memory hands out none), then the ratio of
+table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory a call touched for
+the first time, mean of 3 calls, ``common.fresh_mib``: whether the fresh-outputs floor and the
+pure rows met fresh pages in this run; an allocator that keeps freed memory hands out none), then
+the ratio of
 each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
 paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
 ``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing). ``--profile ROWS``: after the timings, the
@@ -87,11 +88,13 @@ def main(argv=None):
     bench = lambda fn: median_time(fn, dev, iters=args.iters)
     ms, fresh = {}, {}
 
-    def measure(label, fn):
-        """``fn``'s median time as row ``label``; on a CPU also the fresh MiB of one more call."""
+    def measure(label, fn, calls=3):
+        """``fn``'s median time as row ``label``; on a CPU also the fresh MiB per call over
+        ``calls`` more calls (glibc serves a large buffer from a free region of its heap where it
+        has one, else maps fresh pages: from call to call the count moves with what is free)."""
         ms[label] = bench(fn)
         if dev.type == "cpu":
-            fresh[label] = fresh_mib(fn)
+            fresh[label] = fresh_mib(lambda: [fn() for _ in range(calls)]) / calls
 
     # floor: copy bandwidth (bytes read + written per second)
     src = rand(N // 2)
