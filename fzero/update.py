@@ -136,12 +136,12 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
     * FP32 when ``bounded``: every element is a sum of at most 2^30 FP16 values, ranks times
       micro-batches (|g| <= 7e13: squared and summed over a row, far below 3.4e38);
     * FP32, the row first multiplied by ``1 / m``, ``m`` half its mean magnitude (at least its
-      largest over ``2 * NORM_ROW``), for BF16 and FP32 grads ``compiled``:
-      every scaled element is at most ``2 * NORM_ROW``, so no square can overflow (the grads
-      reach 3.4e38, whose square FP32 cannot hold), and the largest at least 2 (a row of tiny
-      or subnormal values is multiplied by 2^100), so nothing is lost that the row's norm
-      would show (``_scaled_row_sumsq``). Inductor's float64 reduction on CPU takes 2-4x as
-      long; eager, the same in small ops would be slower than float64;
+      largest over ``2 * NORM_ROW``), for BF16 and FP32 grads ``compiled``: every scaled
+      element is at most ``2 * NORM_ROW``, so no square can overflow (the grads reach 3.4e38,
+      whose square FP32 cannot hold), and the largest at least 2 (a row of tiny or subnormal
+      values is multiplied by 2^100), so nothing is lost that the row's norm would show
+      (``_scaled_row_sumsq``). Inductor's float64 reduction on CPU takes 2-4x as long; eager,
+      the same in small ops would be slower than float64;
     * float64 otherwise (eager BF16 or FP32): it never overflows for finite inputs.
 
     Each is exact to ~1e-7 relative (a running sum of 256 terms; one over 2^18 terms would lose
