@@ -30,20 +30,26 @@ __all__ = ["ShardGrads", "choose", "fused_chunks", "generic_chunks", "compiled_c
 
 
 def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """FP32 master values in the param ``dtype``, *saturating*: values beyond the dtype's
     finite range (65504 for FP16) become its largest finite value instead of inf, so a finite
     master never gives a non-finite param. The master keeps the exact value; NaN stays NaN.
     ``copy``: a new tensor even when ``dtype`` is FP32; ``out``: written into that tensor
-    (of ``dtype``, like ``master``) and returned."""
+    (of ``dtype``, like ``master``) and returned; ``scratch``: an FP32 tensor like ``master``
+    that may be overwritten, where the saturation then runs before the cast (the same bits:
+    the largest finite value rounds to itself, and whatever lies beyond it rounds to it or to
+    inf), because a CPU clamps FP32 faster than FP16 or BF16 (the eager step's chunks,
+    ``fused_chunks``)."""
     if dtype == master.dtype:
         return out.copy_(master) if out is not None else master.clone() if copy else master
     big = torch.finfo(dtype).max
+    if scratch is not None:
+        master = torch.clamp(master, -big, big, out=scratch)
     # BF16: to nearest, ties away from zero, the rounding under which (BF16, int16 remainder)
     # splits the FP32 master exactly (fzero.remainder); FP16: torch's cast (ties to even).
     rounded = round_bf16(master) if dtype == torch.bfloat16 else master
     cast = rounded.to(dtype) if out is None else out.copy_(rounded)
-    return cast.clamp_(-big, big)  # +-inf -> +-max; NaN stays NaN
+    return cast if scratch is not None else cast.clamp_(-big, big)  # +-inf -> +-max; NaN stays NaN
 
 
 def write_into(old: Any, new: Any) -> Any:
@@ -270,6 +276,10 @@ def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip
     ``master`` and ``tx_state`` (or on copies of their ``[S]`` tensors), reading the grads a chunk
     at a time (``Segments.fp32``), each chunk cast into ``out`` right after."""
     g, S = grads.segments(), master.numel()
+    # Chunks (a CPU's) stay in cache: there each chunk's spent FP32 grads take the saturation
+    # before the cast (``cast_params``' ``scratch``), 6 B/elem more of traffic in cache, where a
+    # whole shard (a GPU's) would pay them in memory.
+    saturate_in_grads = chunk is not None
     # Whole multiples of 64 elements: the kernel's vector loop and its scalar tail round
     # differently, so chunk edges elsewhere would change results.
     chunk = S if chunk is None else max(64, chunk // 64 * 64)
@@ -284,9 +294,10 @@ def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip
     for i, (m, o) in enumerate(zip(cut(master), cut(out))):
         lo = i * chunk
         state_chunk = spec.unflatten([x if v is None else v[i] for x, v in zip(leaves, parts)])
-        fused.kernel(m, g.fp32(lo, lo + m.numel(), m.device), state_chunk)
+        grads_chunk = g.fp32(lo, lo + m.numel(), m.device)
+        fused.kernel(m, grads_chunk, state_chunk)
         if o.data_ptr() != m.data_ptr():  # else the master is the params (``master="params"``), updated
-            cast_params(m, param_dtype, out=o)
+            cast_params(m, param_dtype, out=o, scratch=grads_chunk if saturate_in_grads else None)
     # the [S] tensors the kernel wrote, the 0-d leaves of the fused step's state
     return master, optree.tree_map(lambda full, new: full if is_shard(full) else new, tx_state, fused.state), out
 
