@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import resource
@@ -71,6 +72,17 @@ def fresh_mib(run) -> float:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     run()
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * resource.getpagesize() / 2**20
+
+
+def fresh_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``numel`` ``dtype`` elements on memory mapped for it now (an anonymous
+    ``mmap``, private as glibc's are: Python's default, shared, is shared memory, whose pages
+    fault in at about half the speed), whatever the allocator keeps: writing it faults in every
+    page, which the kernel zeroes first, as a buffer above glibc's mmap threshold is when the
+    allocator keeps nothing. The mapping goes with the tensor (``torch.frombuffer`` holds the only
+    reference to it)."""
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel)
 
 
 def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> float:

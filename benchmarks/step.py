@@ -12,7 +12,8 @@ FP32) grads. The floor is the step's 28 bytes/element (read FP16 grad 2, FP32 ma
 Rows: torch.optim.AdamW fused / foreach on FP32 params; the classic FP16-params + FP32-master
 recipe (torch's amp unscale kernel, AdamW on the master, copy back); fresh outputs (allocate new
 FP32 master and moments and FP16 params and write each once: the floor of a pure step where the
-allocator hands out fresh pages); fzero eager and fzero compiled (``torch.compile(engine.step,
+allocator hands out fresh pages; on a CPU each buffer is mapped for the call, ``common.fresh_pages``,
+so the floor always pays them); fzero eager and fzero compiled (``torch.compile(engine.step,
 fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
 compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
@@ -20,10 +21,9 @@ rows). The compiled step from the pytree runs its update leaf by leaf on a CPU w
 and its leaves are large enough (``fzero.leafwise.worthwhile``), else (and on a GPU) in the
 step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
 table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory a call touched for
-the first time, mean of 3 calls, ``common.fresh_mib``: whether the fresh-outputs floor and the
-pure rows met fresh pages in this run; an allocator that keeps freed memory hands out none), then
-the ratio of
-each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
+the first time, mean of 3 calls, ``common.fresh_mib``: whether the pure rows met as many fresh
+pages as the floor in this run; an allocator that keeps freed memory hands out none), then the
+ratio of each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
 paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
 ``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing). ``--profile ROWS``: after the timings, the
 ops with the most self CPU time over one step of each compiled fzero row (``torch.profiler``;
@@ -46,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.models import gpt  # noqa: E402
-from common import GPT_CONFIGS, classic_step, fresh_mib, hardware, median_time, paired_ratio, profile_table, table  # noqa: E402
+from common import (GPT_CONFIGS, classic_step, fresh_mib, fresh_pages, hardware, median_time, paired_ratio,  # noqa: E402
+                    profile_table, table)
 
 
 def gpt_leaf_sizes(config) -> list[int]:
@@ -128,10 +129,15 @@ def main(argv=None):
     del p16, classic
 
     # fresh pages: what the pure step must at least do on an allocator that does not cache --
-    # allocate new master, moments (FP32) and params (FP16) and write them once (14 B/elem)
+    # allocate new master, moments (FP32) and params (FP16) and write them once (14 B/elem). On
+    # a CPU each buffer is mapped for the call (common.fresh_pages): glibc would serve some from
+    # free regions of its heap, as it chooses call by call, and the floor would move with that.
+    new_buffer = (lambda dtype: fresh_pages(N, dtype)) if dev.type == "cpu" else (
+        lambda dtype: torch.empty(N, dtype=dtype, device=dev))
+
     def fresh_outputs():
         for dtype in (torch.float32, torch.float32, torch.float32, torch.float16):
-            torch.empty(N, dtype=dtype, device=dev).fill_(1.0)
+            new_buffer(dtype).fill_(1.0)
 
     measure("fresh outputs (new master, moments, params written once)", fresh_outputs)
     keep["fresh"] = fresh_outputs

@@ -1,4 +1,4 @@
-"""benchmarks/e2e.py's allocator settings and the fresh-pages measure (``common.fresh_mib``).
+"""benchmarks/e2e.py's allocator settings and the fresh-pages measures (``common.fresh_mib``, ``common.fresh_pages``).
 Under glibc's defaults a buffer above the mmap threshold is mapped when allocated and unmapped
 when freed: fresh pages every time. Under ``--malloc caching`` (``MALLOC_CACHING``) it comes from
 the heap, and when freed its pages stay there for the next allocation to reuse. Which allocation
@@ -65,3 +65,45 @@ def test_a_64_mib_buffer_is_fresh_pages_every_time_unless_the_allocator_keeps_it
     else:
         for r in rows:  # never mapped: in the heap, and kept there when freed, the next allocation's to reuse
             assert r["mapped"] - r["mapped_after"] < 1 and r["heap"] >= 64 and r["free_in_heap_after"] >= 64, rows
+
+
+FRESH_PAGES_SNIPPET = """
+import json, sys, torch
+sys.path.insert(0, "benchmarks")
+from common import fresh_mib, fresh_pages
+
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+shared = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssShmem:")).split()[1]) / 2**10
+before, rows = resident(), []
+for _ in range(4):
+    live = {}
+    def write():
+        x = fresh_pages(16 * 2**20, torch.float32)  # 64 MiB
+        x.fill_(1.0)
+        assert x.dtype == torch.float32 and x.numel() == 16 * 2**20 and bool(x[:: 2**16].eq(1).all())
+        live.update(resident=resident() - before, shared=shared())
+    rows.append(dict(fresh=fresh_mib(write), kept=resident() - before, **live))
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("malloc", ["glibc", "caching"])
+def test_fresh_pages_are_fresh_every_time_whatever_the_allocator_keeps_and_go_with_the_tensor(malloc):
+    """``common.fresh_pages``, the fresh-outputs floor's buffers in ``benchmarks/step.py``: even
+    where the allocator keeps freed memory (``caching``, where a 64 MiB ``torch.ones`` is served
+    from the heap: the test above), each buffer is faulted in whole when written, as private
+    memory (not shared memory, whose pages cost about twice as much to fault in), and unmapped
+    when the tensor goes (the process keeps none of it)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from e2e import MALLOCS
+    finally:
+        sys.path.pop(0)
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env.update(MALLOCS[malloc])
+    proc = run_script([sys.executable, "-c", FRESH_PAGES_SNIPPET], cwd=REPO, env=env, capture_output=True, text=True,
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout.splitlines()[-1])
+    assert all(r["fresh"] >= 63.9 and r["resident"] >= 63.9 and r["shared"] < 16 and r["kept"] < 16 for r in rows), rows
