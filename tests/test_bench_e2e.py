@@ -44,9 +44,9 @@ print(json.dumps(rows))
 """
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("malloc", ["glibc", "caching"])
-def test_a_64_mib_buffer_is_fresh_pages_every_time_unless_the_allocator_keeps_it(malloc):
+def rows_under(malloc: str, snippet: str):
+    """What ``snippet`` prints last (JSON), run in a new process under ``e2e.py``'s ``malloc``
+    setting (its environment must be set before the process starts)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         from e2e import MALLOCS
@@ -54,9 +54,15 @@ def test_a_64_mib_buffer_is_fresh_pages_every_time_unless_the_allocator_keeps_it
         sys.path.pop(0)
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env.update(MALLOCS[malloc])
-    proc = run_script([sys.executable, "-c", SNIPPET], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_script([sys.executable, "-c", snippet], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("malloc", ["glibc", "caching"])
+def test_a_64_mib_buffer_is_fresh_pages_every_time_unless_the_allocator_keeps_it(malloc):
+    rows = rows_under(malloc, SNIPPET)
     if rows is None:
         pytest.skip("needs glibc's mallinfo2 (glibc >= 2.33)")
     if malloc == "glibc":
@@ -95,15 +101,5 @@ def test_fresh_pages_are_fresh_every_time_whatever_the_allocator_keeps_and_go_wi
     from the heap: the test above), each buffer is faulted in whole when written, as private
     memory (not shared memory, whose pages cost about twice as much to fault in), and unmapped
     when the tensor goes (the process keeps none of it)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from e2e import MALLOCS
-    finally:
-        sys.path.pop(0)
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    env.update(MALLOCS[malloc])
-    proc = run_script([sys.executable, "-c", FRESH_PAGES_SNIPPET], cwd=REPO, env=env, capture_output=True, text=True,
-                      timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout.splitlines()[-1])
+    rows = rows_under(malloc, FRESH_PAGES_SNIPPET)
     assert all(r["fresh"] >= 63.9 and r["resident"] >= 63.9 and r["shared"] < 16 and r["kept"] < 16 for r in rows), rows
