@@ -135,7 +135,8 @@ def _ema(m: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     form for weights under 0.5, written out. ``torch.lerp`` takes ``g - (g - m) * (1 - w)`` for
     the others and picks per element, which inductor's CPU code compiles into a select in every
     element's loop: the compiled BF16 step of the main job's GPT ran 3-5% faster without it
-    (docs/performance.md). For ``b1 <= 0.5`` the two forms differ by a rounding."""
+    (docs/performance.md). The two differ by a rounding where ``b1 <= 0.5``, and where
+    ``torch.lerp`` fuses the multiply and the add (its CPU kernel does)."""
     return m + w * (g - m)
 
 
