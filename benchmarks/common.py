@@ -81,8 +81,8 @@ def fresh_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     page, which the kernel zeroes first, as a buffer above glibc's mmap threshold is when the
     allocator keeps nothing. The mapping goes with the tensor (``torch.frombuffer`` holds the only
     reference to it)."""
-    size = numel * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel)
+    return torch.frombuffer(mmap.mmap(-1, max(numel * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE), dtype=dtype,
+                            count=numel)
 
 
 def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> float:
