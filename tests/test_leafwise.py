@@ -44,21 +44,20 @@ def train(p0, seq, param_dtype, *, flat, **kw):
     return (fzero.unflatten(carry, engine.layout) if flat else carry), state, infos
 
 
-# each dtype: donated and pure, with and without buckets, in groups of 16 and of 2
-@pytest.mark.parametrize("param_dtype,bucket_bytes,donate,group", [
-    (torch.float16, None, True, 16), (torch.bfloat16, 48, True, 2), (torch.float16, 48, False, 2),
-    (torch.bfloat16, None, False, 16)])
-def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, bucket_bytes, donate, group, monkeypatch):
+# Donated and pure, each with buckets (padding between leaves: where each writes), one dtype each.
+# Without buckets, donated, in both dtypes: the two tests after this one, bit for bit too.
+@pytest.mark.parametrize("param_dtype,donate", [(torch.bfloat16, True), (torch.float16, False)])
+def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, donate, monkeypatch):
     """Every param, the master and the moments, padding included (several buckets: padding
     between leaves), bit for bit, donated (in place) and pure (new tensors); an overflow skips
     the step in both. In groups of 2 leaves, several groups share a graph (dynamic sizes) and a
     1-element leaf has one of its own, none compiled twice."""
-    monkeypatch.setattr(fzero.leafwise, "GROUP", group)
+    monkeypatch.setattr(fzero.leafwise, "GROUP", 2)
     p0 = odd_params()
     seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0, n=4)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        leaf = train(p0, seq, param_dtype, flat=False, bucket_bytes=bucket_bytes, donate=donate)
-    flat = train(p0, seq, param_dtype, flat=True, bucket_bytes=bucket_bytes, donate=donate)
+        leaf = train(p0, seq, param_dtype, flat=False, bucket_bytes=48, donate=donate)
+    flat = train(p0, seq, param_dtype, flat=True, bucket_bytes=48, donate=donate)
     assert [bool(i["found_inf"]) for i in leaf[2]] == [bool(i["found_inf"]) for i in flat[2]] == [False, False, True, False]
     for a, b in zip(optree.tree_leaves(leaf[:2]), optree.tree_leaves(flat[:2])):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -188,19 +187,25 @@ def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
 def test_small_leaves_or_a_small_model_keep_the_update_in_the_steps_graph(monkeypatch):
     """Leaves below ``MIN_MEAN_NUMEL`` elements on average, or fewer than ``MIN_NUMEL`` elements
     in all: the host time per leaf would cost more than the step graph's concatenation, so the
-    update stays in the step's graph; a model that reaches both runs leaf by leaf."""
+    update stays in the step's graph; a model that reaches both runs leaf by leaf (as every other
+    test of this file does)."""
     p0 = odd_params()  # 55 elements in 4 leaves
-    grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
     for mean_numel, numel, leaf_by_leaf in ((14, 0, False), (13, 0, True), (0, 56, False), (0, 55, True)):
         monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", mean_numel)
         monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", numel)
-        engine = engine_for(torch.float16)
-        params, state, ss = engine.init(p0)
-        torch._dynamo.reset()
-        counters.clear()
-        torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
-        assert (engine._compiled_update.leaves is not None) == leaf_by_leaf
-        assert (counters["stats"]["unique_graphs"] > 1) == leaf_by_leaf
+        assert fzero.leafwise.worthwhile(55, 4) == leaf_by_leaf
+    # the engine asks with the model's elements and leaves (not the padded layout's), at its first
+    # compiled step, and keeps the update in the step's graph when told no
+    asked = []
+    monkeypatch.setattr(fzero.leafwise, "worthwhile", lambda numel, leaves: asked.append((numel, leaves)) or False)
+    grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
+    engine = engine_for(torch.float16)
+    params, state, ss = engine.init(p0)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
+    assert set(asked) == {(55, 4)} and engine._compiled_update.leaves is None
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_shared_scalars_merges_identical_pure_nodes_only():
