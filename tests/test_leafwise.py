@@ -21,7 +21,10 @@ def leaf_by_leaf_at_any_size(monkeypatch):
 
 
 def adamw():
-    return transforms.adamw(lr=1e-2, weight_decay=0.1, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p))
+    """Clipping (the grads' norm goes into each leaf's update) and AdamW with decay on matrices."""
+    return transforms.chain(
+        transforms.clip_by_global_norm(5.0),
+        transforms.adamw(lr=1e-2, weight_decay=0.1, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)))
 
 
 def engine_for(param_dtype, donate=True, **kw):
@@ -29,18 +32,28 @@ def engine_for(param_dtype, donate=True, **kw):
     return fzero.zero1(adamw(), param_dtype=param_dtype, loss_scale=scaling, donate=donate, **kw)
 
 
-def train(p0, seq, param_dtype, *, flat, **kw):
-    """Compiled steps over ``seq``, from the grads pytree or (``flat``) from the flat buffer;
-    returns ``(params as a pytree, state, infos)``."""
+def train(p0, seq, param_dtype, *, flat, lr_at=None, **kw):
+    """Compiled steps over ``seq``, from the grads pytree or (``flat``) from the flat buffer, lr
+    raised before step ``lr_at``; returns ``(params as a pytree, state, infos)``. A pure step
+    (``donate=False``) is checked to leave every bit of its inputs as they were."""
     engine = engine_for(param_dtype, **kw)
     params, state, ss = engine.init(p0)
     step = torch.compile(engine.step, fullgraph=True)
     carry = engine.flat_params(params) if flat else params
     infos = []
-    for g in seq:
+    for i, g in enumerate(seq):
+        if i == lr_at:
+            state = transforms.set_hyperparams(state, lr=3e-2)
         g = fzero.flatten(g, engine.layout) if flat else g
-        carry, state, ss, info = step(carry, g, state, ss)
+        before = optree.tree_map(torch.clone, (carry, state))
+        new_carry, state_out, ss, info = step(carry, g, state, ss)
+        if not engine.donate:
+            assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((carry, state)), optree.tree_leaves(before)))
+        carry, state = new_carry, state_out
         infos.append(info)
+    if not flat:  # it ran leaf by leaf, and the params are views of one flat buffer again
+        assert engine._compiled_update.leaves._compiled
+        assert torch.equal(engine.flat_params(carry), fzero.flatten(carry, engine.layout))
     return (fzero.unflatten(carry, engine.layout) if flat else carry), state, infos
 
 
@@ -49,16 +62,19 @@ def train(p0, seq, param_dtype, *, flat, **kw):
 @pytest.mark.parametrize("param_dtype,donate", [(torch.bfloat16, True), (torch.float16, False)])
 def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, donate, monkeypatch):
     """Every param, the master and the moments, padding included (several buckets: padding
-    between leaves), bit for bit, donated (in place) and pure (new tensors); an overflow skips
-    the step in both. In groups of 2 leaves, several groups share a graph (dynamic sizes) and a
-    1-element leaf has one of its own, none compiled twice."""
+    between leaves), bit for bit, donated (in place) and pure (new tensors, the inputs untouched);
+    an inf skips the step in both, so does a NaN (the clipping norm NaN); lr and the loss scale
+    change without a recompile. In groups of 2 leaves, several groups share a graph (dynamic
+    sizes) and a 1-element leaf has one of its own, none compiled twice."""
     monkeypatch.setattr(fzero.leafwise, "GROUP", 2)
     p0 = odd_params()
-    seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0, n=4)
+    seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0)
+    seq[4]["blocks"][0]["g"][3] = float("nan")
     with torch._dynamo.config.patch(error_on_recompile=True):
-        leaf = train(p0, seq, param_dtype, flat=False, bucket_bytes=48, donate=donate)
-    flat = train(p0, seq, param_dtype, flat=True, bucket_bytes=48, donate=donate)
-    assert [bool(i["found_inf"]) for i in leaf[2]] == [bool(i["found_inf"]) for i in flat[2]] == [False, False, True, False]
+        leaf = train(p0, seq, param_dtype, flat=False, lr_at=3, bucket_bytes=48, donate=donate)
+    flat = train(p0, seq, param_dtype, flat=True, lr_at=3, bucket_bytes=48, donate=donate)
+    assert [bool(i["found_inf"]) for i in leaf[2]] == [bool(i["found_inf"]) for i in flat[2]] == [False, False, True, False, True]
+    assert len({float(i["loss_scale"]) for i in leaf[2]}) > 1 or param_dtype != torch.float16
     for a, b in zip(optree.tree_leaves(leaf[:2]), optree.tree_leaves(flat[:2])):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -152,22 +168,6 @@ def test_leaf_by_leaf_takes_accumulated_grads():
         out.append(step(params, acc, state, ss)[:2])
     for a, b in zip(optree.tree_leaves(out[1]), optree.tree_leaves(out[0])):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-
-
-def test_pure_leaf_by_leaf_step_leaves_its_inputs_untouched():
-    """Without ``donate`` the op writes new tensors: params, master and moments given keep every
-    bit, and the new params are one flat buffer again."""
-    p0 = odd_params()
-    engine = engine_for(torch.float16, donate=False)
-    params, state, ss = engine.init(p0)
-    grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
-    before = optree.tree_map(lambda x: x.clone(), (params, state))
-    new_params, new_state, _, _ = torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
-    assert engine._compiled_update.leaves._compiled  # it ran leaf by leaf
-    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((params, state)), optree.tree_leaves(before)))
-    assert not torch.equal(new_state.master, state.master)
-    flat = engine.flat_params(new_params)
-    assert torch.equal(flat, fzero.flatten(new_params, engine.layout))
 
 
 def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
