@@ -45,11 +45,10 @@ def train(p0, seq, param_dtype, *, flat, lr_at=None, **kw):
         if i == lr_at:
             state = transforms.set_hyperparams(state, lr=3e-2)
         g = fzero.flatten(g, engine.layout) if flat else g
-        before = optree.tree_map(torch.clone, (carry, state))
-        new_carry, state_out, ss, info = step(carry, g, state, ss)
-        if not engine.donate:
-            assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((carry, state)), optree.tree_leaves(before)))
-        carry, state = new_carry, state_out
+        given = None if engine.donate else optree.tree_leaves((carry, state))
+        before = None if given is None else [x.clone() for x in given]
+        carry, state, ss, info = step(carry, g, state, ss)
+        assert given is None or all(torch.equal(a, b) for a, b in zip(given, before))
         infos.append(info)
     if not flat:  # it ran leaf by leaf, and the params are views of one flat buffer again
         assert engine._compiled_update.leaves._compiled
