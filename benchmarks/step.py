@@ -13,7 +13,10 @@ Rows: torch.optim.AdamW fused / foreach on FP32 params; the classic FP16-params 
 recipe (torch's amp unscale kernel, AdamW on the master, copy back); fresh outputs (allocate new
 FP32 master and moments and FP16 params and write each once: the floor of a pure step where the
 allocator hands out fresh pages; on a CPU each buffer is mapped for the call, ``common.fresh_pages``,
-so the floor always pays them); fzero eager and fzero compiled (``torch.compile(engine.step,
+so the floor always pays them); the ideal mixed-precision step (``ideal_step``: AdamW alone in
+one compiled loop over flat buffers, grads read and params written in the fzero rows' dtype, none
+of the checks fzero's step makes: what mixed precision costs beside fused AdamW on FP32 params
+before any guarantee; not with ``--no-compile``); fzero eager and fzero compiled (``torch.compile(engine.step,
 fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
 compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
@@ -23,8 +26,9 @@ step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Pr
 table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory a call touched for
 the first time, mean of 3 calls, ``common.fresh_mib``: whether the pure rows met as many fresh
 pages as the floor in this run; an allocator that keeps freed memory hands out none), then the
-ratio of each fzero row to torch's fused AdamW (and of the pure rows to fresh outputs) from alternating
-paired rounds, then each fzero row's first call in seconds (compiled: the compile; run with a new
+ratio of each fzero row and the ideal step to torch's fused AdamW (and of the pure rows to fresh
+outputs, of the compiled donated rows to the ideal step) from alternating paired rounds, then each
+fzero row's first call in seconds (compiled: the compile; run with a new
 ``TORCHINDUCTOR_CACHE_DIR`` to time it from nothing). ``--profile ROWS``: after the timings, the
 ops with the most self CPU time over one step of each compiled fzero row (``torch.profiler``;
 each generated CPU kernel an op of its own, dynamo's guards as ``TorchDynamo Cache Lookup``).
@@ -45,6 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
+from fzero.transforms import scalar  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from common import (GPT_CONFIGS, classic_step, fresh_mib, fresh_pages, hardware, median_time, paired_ratio,  # noqa: E402
                     profile_table, table)
@@ -53,6 +58,53 @@ from common import (GPT_CONFIGS, classic_step, fresh_mib, fresh_pages, hardware,
 def gpt_leaf_sizes(config) -> list[int]:
     """The element counts of ``fzero.models.gpt``'s leaves at ``config``, in the params' order."""
     return [x.numel() for x in optree.tree_leaves(gpt.init(torch.Generator().manual_seed(0), config, device="meta"))]
+
+
+IDEAL = "ideal mixed-precision step (one loop: AdamW only)"
+IDEAL_HYPER = {"lr": 1e-4, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "wd": 1e-2}  # ideal_update's, in its order
+
+
+def ideal_update(grads, master, m, v, params, count, lr, b1, b2, eps, wd):
+    """The ideal mixed-precision AdamW step, in place: ``grads`` ``[n]`` (FP16/BF16) read,
+    ``master``, ``m``, ``v`` ``[n]`` FP32 updated, ``params`` ``[n]`` written with the new master
+    in its dtype (torch's cast); returns ``count + 1`` (0-d int32). ``transforms.adamw``'s
+    arithmetic: the bias corrections from the count and the hyperparameters (0-d float64) once
+    per step, ``m + (1 - b1)(g - m)``, ``sqrt(v)`` times ``1/sqrt(1 - b2^t)``, decoupled weight
+    decay. Nothing else: no loss scale, norm, overflow check, skip or saturation."""
+    count = count + 1
+    t = count.double()
+    # 0-d values computed once per step (``transforms.scalar``): inductor would otherwise inline
+    # the float64 pow and sqrt into the loop, per vector of elements
+    step_size, inv_bc2_sqrt = scalar(1 / (1 - b1**t)), scalar(1 / torch.sqrt(1 - b2**t))
+    w1, b2, w2, eps, neg_lr, wd = (scalar(x) for x in (1 - b1, b2, 1 - b2, eps, -lr, wd))
+    g = grads.float()
+    m_new = m + w1 * (g - m)
+    v_new = v * b2 + w2 * g * g
+    u = (m_new * step_size) / (v_new.sqrt() * inv_bc2_sqrt + eps)
+    new = master + neg_lr * (u + wd * master)
+    for into, value in ((master, new), (m, m_new), (v, v_new), (params, new.to(params.dtype))):
+        into.copy_(value)
+    return count
+
+
+def ideal_step(n: int, dtype: torch.dtype, rand):
+    """``run()``: ``ideal_update`` on ``n`` elements in flat buffers of its own (``rand(n)``:
+    ``n`` random FP32 values on the device), compiled into one loop (``torch.compile``):
+    ``dtype`` grads, 2 + 12 bytes read and 12 + 2 written per element, against fused AdamW's 16
+    and 12 on FP32 params. fzero's compiled step over this row is what its guarantees cost (the
+    loss scale, the grad norm and overflow check, the skip of an overflowed step, the
+    saturation of the cast, BF16's ties-away rounding)."""
+    master = rand(n)
+    moments = [torch.zeros_like(master), torch.zeros_like(master)]
+    params, grads = master.to(dtype), (rand(n) * 1e-3).to(dtype)
+    hyper = [torch.tensor(x, dtype=torch.float64, device=master.device) for x in IDEAL_HYPER.values()]
+    count = [torch.zeros((), dtype=torch.int32, device=master.device)]
+    update = torch.compile(ideal_update, fullgraph=True)
+
+    def run():
+        count[0] = update(grads, master, *moments, params, count[0], *hyper)
+
+    return run
 
 
 def main(argv=None):
@@ -142,9 +194,13 @@ def main(argv=None):
     measure("fresh outputs (new master, moments, params written once)", fresh_outputs)
     keep["fresh"] = fresh_outputs
 
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if args.compile:  # a compiled loop, or it is not the ideal
+        keep["ideal"] = ideal_step(N, dtype, rand)
+        measure(IDEAL, keep["ideal"])
+
     # fzero, world size 1
     params32 = {f"p{i}": rand(s) for i, s in enumerate(sizes)}
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     first_s = {}  # each fzero row's first call (compiled: the compile), seconds
     profiles = {}  # --profile: each compiled row's table
     grads = {k: g.to(dtype) for k, g in zip(params32, g16)}
@@ -191,8 +247,10 @@ def main(argv=None):
     # Paired rounds: each compiled row against torch's fused AdamW (the CPU target), alternated
     # so that drift in the machine's speed hits both; the ratio is the median of per-round ratios.
     # The pure rows also against fresh outputs: the floor where the allocator does not cache.
-    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer", "other path")]
+    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer", "other path", "ideal")]
     pairs += [(k, "fresh") for k in ("compiled pure", "eager pure")]
+    # What fzero's guarantees (loss scale, norm, skip, saturation) cost beyond the ideal loop.
+    pairs += [(k, "ideal") for k in ("flat buffer", "compiled")]
     paired = {f"{a} / {b}": paired_ratio(keep[a], keep[b], dev, rounds=args.rounds)
               for a, b in pairs if a in keep and b in keep}
     keep.clear()
@@ -211,7 +269,7 @@ def main(argv=None):
     names = {"fused": "torch fused AdamW", "fresh": "fresh outputs", "compiled": "fzero compiled (grads pytree, donate)",
              "eager": "fzero eager (grads pytree, donate)", "compiled pure": "fzero compiled (grads pytree, pure)",
              "eager pure": "fzero eager (grads pytree, pure)", "flat buffer": "fzero compiled (flat buffer, donate)",
-             "other path": f"fzero compiled (grads pytree, donate, update {other})"}
+             "other path": f"fzero compiled (grads pytree, donate, update {other})", "ideal": IDEAL}
     print(f"\npaired: median of {args.rounds} alternating rounds of 5 steps each\n")
     print(table([[names[k.split(" / ")[0]], names[k.split(" / ")[1]], f"{r:.2f}"] for k, r in paired.items()],
                 ["step", "against", "ratio"]))
