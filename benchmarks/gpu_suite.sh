@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in one script of about 8 minutes on one H200:
 # the no-host-sync check, the optimizer-step table at 1e9 elements (eager and compiled from the
-# grads pytree, each with donate=True and pure, against fused AdamW and fresh outputs; flat; and
+# grads pytree, each with donate=True and pure, against fused AdamW and fresh outputs; flat; the
+# ideal mixed-precision step (AdamW alone in one compiled loop) and fzero against it; and
 # a profile of one step of each compiled row: its host time beside its kernels'), the eager
 # step's bytes per element, the BF16 step with an FP32 against a remainder master, the
 # step with BF16 and 8-bit moments against FP32 ones (eager and compiled), the memory table (with CPU offload's device bytes and step time), and the main job's step against
