@@ -16,8 +16,8 @@ allocator hands out fresh pages; on a CPU each buffer is mapped for the call, ``
 so the floor always pays them); the ideal mixed-precision step (``ideal_step``: AdamW alone in
 one compiled loop over flat buffers, grads read and params written in the fzero rows' dtype, none
 of the checks fzero's step makes: what mixed precision costs beside fused AdamW on FP32 params
-before any guarantee; not with ``--no-compile``); fzero eager and fzero compiled (``torch.compile(engine.step,
-fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
+before any guarantee; not with ``--no-compile``); fzero eager and fzero compiled
+(``torch.compile(engine.step, fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
 compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
 rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the model
@@ -90,17 +90,16 @@ def ideal_update(grads, master, m, v, params, count, lr, b1, b2, eps, wd):
 def ideal_step(n: int, dtype: torch.dtype, device: torch.device):
     """``run()``: ``ideal_update`` on ``n`` elements in flat buffers of its own on ``device``
     (random values drawn there: at 1e9 elements a CPU's generator would take seconds per
-    buffer), compiled into one loop (``torch.compile``):
-    ``dtype`` grads, 2 + 12 bytes read and 12 + 2 written per element, against fused AdamW's 16
-    and 12 on FP32 params. fzero's compiled step over this row is what its guarantees cost (the
+    buffer), compiled into one loop (``torch.compile``): ``dtype`` grads, 2 + 12 bytes read and
+    12 + 2 written per element, against fused AdamW's 16 and 12 on FP32 params. fzero's compiled step over this row is what its guarantees cost (the
     loss scale, the grad norm and overflow check, the skip of an overflowed step, the
     saturation of the cast, BF16's ties-away rounding)."""
     gen = torch.Generator(device).manual_seed(0)
     master = torch.randn(n, generator=gen, device=device)
     moments = [torch.zeros_like(master), torch.zeros_like(master)]
     params, grads = master.to(dtype), (torch.randn(n, generator=gen, device=device) * 1e-3).to(dtype)
-    hyper = [torch.tensor(x, dtype=torch.float64, device=master.device) for x in IDEAL_HYPER.values()]
-    count = [torch.zeros((), dtype=torch.int32, device=master.device)]
+    hyper = [torch.tensor(x, dtype=torch.float64, device=device) for x in IDEAL_HYPER.values()]
+    count = [torch.zeros((), dtype=torch.int32, device=device)]
     update = torch.compile(ideal_update, fullgraph=True)
 
     def run():

@@ -1,26 +1,16 @@
 """benchmarks/step.py's ideal mixed-precision step, the row fzero's compiled step is held against
 beside fused AdamW: it must be AdamW (torch.optim.AdamW's, with the weight decay) and must write
 the params, or the row would time less work than a step does."""
-import importlib.util
-
 import pytest
 import torch
 
-from helpers import REPO, torch_adamw
-
-
-def load_step_benchmark():
-    """benchmarks/step.py as a module of its own name (``step`` is too common a name to import)."""
-    spec = importlib.util.spec_from_file_location("fzero_bench_step", REPO / "benchmarks" / "step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import step as bench  # benchmarks/step.py: pyproject.toml puts benchmarks/ on pytest's sys.path
+from helpers import torch_adamw
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_the_ideal_step_is_torch_adamw_and_casts_the_params(dtype, compiled):
-    bench = load_step_benchmark()
     n, steps = 1000, 3
     gen = torch.Generator().manual_seed(0)
     master0 = torch.randn(n, generator=gen) * 2
