@@ -17,10 +17,10 @@ so the floor always pays them); the ideal mixed-precision step (``ideal_step``: 
 one compiled loop over flat buffers, grads read and params written in the fzero rows' dtype, none
 of the checks fzero's step makes: what mixed precision costs beside fused AdamW on FP32 params
 before any guarantee; not with ``--no-compile``); fzero eager and fzero compiled
-(``torch.compile(engine.step, fullgraph=True)``) from the grads pytree with ``donate=True`` and with the pure default, and
-compiled on the flat buffer (``engine.flat_params``: params and grads flat); world size 1, FP16
-params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no loss scale, for the fzero
-rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the model
+(``torch.compile(engine.step, fullgraph=True)``) from the grads pytree with ``donate=True`` and
+with the pure default, and compiled on the flat buffer (``engine.flat_params``: params and grads
+flat); world size 1, FP16 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no
+loss scale, for the fzero rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the model
 and its leaves are large enough (``fzero.leafwise.worthwhile``), else (and on a GPU) in the
 step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
 table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory a call touched for
@@ -91,9 +91,10 @@ def ideal_step(n: int, dtype: torch.dtype, device: torch.device):
     """``run()``: ``ideal_update`` on ``n`` elements in flat buffers of its own on ``device``
     (random values drawn there: at 1e9 elements a CPU's generator would take seconds per
     buffer), compiled into one loop (``torch.compile``): ``dtype`` grads, 2 + 12 bytes read and
-    12 + 2 written per element, against fused AdamW's 16 and 12 on FP32 params. fzero's compiled step over this row is what its guarantees cost (the
-    loss scale, the grad norm and overflow check, the skip of an overflowed step, the
-    saturation of the cast, BF16's ties-away rounding)."""
+    12 + 2 written per element, against fused AdamW's 16 and 12 on FP32 params. fzero's
+    compiled step on the flat buffer over this row is what its guarantees cost (the loss scale,
+    the grad norm and overflow check, the skip of an overflowed step, the saturation of the
+    cast, BF16's ties-away rounding)."""
     gen = torch.Generator(device).manual_seed(0)
     master = torch.randn(n, generator=gen, device=device)
     moments = [torch.zeros_like(master), torch.zeros_like(master)]
@@ -248,9 +249,11 @@ def main(argv=None):
     # Paired rounds: each compiled row against torch's fused AdamW (the CPU target), alternated
     # so that drift in the machine's speed hits both; the ratio is the median of per-round ratios.
     # The pure rows also against fresh outputs: the floor where the allocator does not cache.
-    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer", "other path", "ideal")]
+    pairs = [(k, "fused") for k in ("compiled", "eager", "compiled pure", "eager pure", "flat buffer", "other path",
+                                    "ideal")]
     pairs += [(k, "fresh") for k in ("compiled pure", "eager pure")]
-    # What fzero's guarantees (loss scale, norm, skip, saturation) cost beyond the ideal loop.
+    # What fzero's guarantees (loss scale, norm, skip, saturation) cost beyond the ideal loop: the
+    # flat row; from the grads pytree, with the host work of its path besides.
     pairs += [(k, "ideal") for k in ("flat buffer", "compiled")]
     paired = {f"{a} / {b}": paired_ratio(keep[a], keep[b], dev, rounds=args.rounds)
               for a, b in pairs if a in keep and b in keep}
