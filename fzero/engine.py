@@ -31,7 +31,7 @@ from .binding import Binding, ZeroState, config_table, fresh_state, to_state_dev
 from .comm import Comm, SimulatedComm, comm_of_mesh
 from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
 from .grads import Accumulated, GradFn, GradPath
-from . import leafwise
+from . import leafwise, native
 from .mode import StepMode, compiling
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
 from .shard_view import ShardView, bind
@@ -145,7 +145,9 @@ class Engine:
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
             if self._leafwise(bound, device):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
-                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype)
+                # fzero's own CPU kernel where the transform allows it (``fzero.native``; built now)
+                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype,
+                                             native=self.tx.fused is not None and native.available(device))
                 self._compiled_update = self._compiled_update._replace(leaves=leaves)
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "

@@ -206,26 +206,28 @@ def _fused_adamw(lr, state, *, grad_scale, found_inf):
     tensor or a slice of it (see ``GradientTransformation.fused``).
 
     The kernel takes ``b1``, ``b2``, ``eps`` (and an unmasked ``weight_decay``) as Python
-    floats: their ``host_value``; without one (a hyperparameter made by arithmetic), or with
-    moments not in FP32, it returns ``None`` and the caller runs ``update``. A masked decay is
+    floats: their ``host_value``; without one (a hyperparameter made by arithmetic, or state
+    that a compiled step returned), the ``FusedStep``'s kernel is ``None`` and it gives only the
+    coefficients (``FusedStep.adamw``, from the tensors); with moments not in FP32, or a masked
+    decay and no kernel, it returns ``None`` and the caller runs ``update``. A masked decay is
     one more pass, ``p *= 1 - lr*wd`` where the mask is True, before the kernel (the same order
-    as torch's AdamW)."""
+    as torch's AdamW), and gives no coefficients."""
     adam, decay, rate_state = state
     masked = isinstance(decay, MaskedState)
     decay = decay.inner if masked else decay
     floats = [host_value(x) for x in (adam.b1, adam.b2, adam.eps)]
     wd = 0.0 if masked else host_value(decay.weight_decay)
     fp32 = lambda x: isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.ndim == 1
-    if None in floats or wd is None or not (fp32(adam.mu) and fp32(adam.nu)) or (
-            masked and not isinstance(state[1].mask, torch.Tensor)):
+    has_kernel = None not in floats and wd is not None and (not masked or isinstance(state[1].mask, torch.Tensor))
+    if not (fp32(adam.mu) and fp32(adam.nu)) or not (has_kernel or not masked):
         return None
-    b1, b2, eps = floats
     rate = learning_rate(lr, rate_state)
     lr_t, inf_t = scalar(rate), found_inf.to(torch.float32)
     step = (adam.count + 1).to(torch.float32)  # the kernel's t (it does not count: torch.optim does)
     keep = scalar(torch.where(found_inf, 1.0, 1 - rate * decay.weight_decay)) if masked else None
 
     def kernel(params, grads, s):
+        b1, b2, eps = floats
         if masked:  # decoupled decay where the mask is True; nothing on a skipped step
             params.mul_(torch.where(s[1].mask, keep, 1.0))
         torch._fused_adamw_([params], [grads], [s[0].mu], [s[0].nu], [], [step], lr=lr_t, beta1=b1, beta2=b2,
@@ -234,4 +236,14 @@ def _fused_adamw(lr, state, *, grad_scale, found_inf):
 
     count = lambda c: torch.where(found_inf, c, c + 1)  # skipped steps are not counted
     new_state = (adam._replace(count=count(adam.count)), state[1], next_learning_rate_state(lr, rate_state, count))
-    return FusedStep(kernel, new_state, grad_scale)
+    return FusedStep(kernel if has_kernel else None, new_state, grad_scale,
+                     None if masked else lambda: _coefficients(adam, rate, decay.weight_decay))
+
+
+def _coefficients(adam: ScaleByAdamState, rate: torch.Tensor, weight_decay: torch.Tensor) -> torch.Tensor:
+    """``adamw``'s ``[8]`` FP32 coefficients of the next step (``FusedStep.adamw``): each the
+    0-d value ``update`` computes for it, as it computes it."""
+    t = (adam.count + 1).to(torch.float64)
+    return torch.stack([scalar(1 - adam.b1), scalar(adam.b2), scalar(1 - adam.b2), scalar(adam.eps),
+                        scalar(1 / (1 - adam.b1**t)), scalar(1 / torch.sqrt(1 - adam.b2**t)), -scalar(rate),
+                        scalar(weight_decay)])

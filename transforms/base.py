@@ -58,11 +58,17 @@ class FusedStep(NamedTuple):
     caller may run it on consecutive slices of the three (the 0-d work is done once, in
     ``fused``). ``None`` for a transform that only rescales the grads. ``state``: the new state;
     its tensors shaped like the params are the ones ``kernel`` writes. ``grad_scale``: what the
-    kernel divides the grads by (clipping multiplies it)."""
+    kernel divides the grads by (clipping multiplies it). ``adamw``: for AdamW on FP32 moments,
+    a function of no arguments that computes this step's ``[8]`` FP32 coefficients ``(1 - b1,
+    b2, 1 - b2, eps, 1 / (1 - b1^t), 1 / sqrt(1 - b2^t), -lr, weight_decay)``, each as ``update``
+    computes it: what a kernel of the caller's own may run instead of ``kernel`` on the state's
+    two ``[S]`` tensors, the first and second moments (fzero's CPU kernel, which reads the grads
+    and writes the params in FP16 or BF16); else ``None``."""
 
     kernel: Callable[[torch.Tensor, torch.Tensor, Any], None] | None
     state: Any
     grad_scale: torch.Tensor
+    adamw: Callable[[], torch.Tensor] | None = None
 
 
 class GradientTransformation(NamedTuple):
@@ -193,15 +199,15 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_state)
 
     def fused(state, *, grad_scale, found_inf, grad_norm):
-        new_state, kernel, at = [], None, 0
+        new_state, kernel, adamw, at = [], None, None, 0
         for i, (tx, s) in enumerate(zip(txs, state)):
             out = tx.fused(s, grad_scale=grad_scale, found_inf=found_inf, grad_norm=grad_norm)
             if out is None:  # declined: nothing has been written yet
                 return None
             new_state.append(out.state)
-            grad_scale, kernel, at = out.grad_scale, out.kernel, i
+            grad_scale, kernel, adamw, at = out.grad_scale, out.kernel, out.adamw, i
         last = kernel and (lambda params, grads, s: kernel(params, grads, s[at]))
-        return FusedStep(last, tuple(new_state), grad_scale)
+        return FusedStep(last, tuple(new_state), grad_scale, adamw)
 
     def hyperparams(state):
         return {k: v for tx, s in zip(txs, state) if tx.hyperparams for k, v in tx.hyperparams(s).items()}

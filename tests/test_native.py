@@ -1,0 +1,137 @@
+"""fzero's own CPU AdamW kernel (``fzero.native``): the same bits as the update inductor compiles,
+in place, a skipped step, padding, BF16's ties-away rounding and the saturation of the cast; the
+pure step and the transforms it cannot run keep inductor's loops."""
+import optree
+import pytest
+import torch
+import torch._dynamo
+
+import fzero
+import fzero.leafwise
+from fzero import native, transforms
+from fzero.update import cast_params, compiled_update
+from helpers import grads_seq, odd_params
+
+pytestmark = pytest.mark.skipif(not native.available(torch.device("cpu")),
+                                reason="the CPU kernel could not be built here (no C++ compiler)")
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def leaf_by_leaf_at_any_size(monkeypatch):
+    monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", 0)
+    monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", 0)
+
+
+def counted(monkeypatch) -> list:
+    """The calls of ``native.adamw_update`` from here on, counted (each still runs)."""
+    calls, kernel = [], native.adamw_update
+    monkeypatch.setattr(native, "adamw_update", lambda *a: calls.append(1) or kernel(*a))
+    return calls
+
+
+def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch):
+    """Compiled steps of ``adamw`` with a warm-up schedule (lr a new value each step) over
+    ``seq``, from the grads pytree (leaf by leaf, with the kernel or the compiled loops) or
+    (``flat``) from the flat buffer; returns ``(params as a pytree, state, infos)``."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(native, "available", lambda device: use_native)
+    scaling = fzero.DynamicLossScale(init_scale=2.0**10, growth_interval=2) if param_dtype == torch.float16 else None
+    tx = transforms.adamw(lr=lambda count: 1e-2 * (count.double() + 1) / 4, weight_decay=0.1)
+    engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling, donate=donate, bucket_bytes=48)
+    params, state, ss = engine.init(p0)
+    assert engine._compiled_update.leaves.native == use_native
+    step = torch.compile(engine.step, fullgraph=True)
+    carry = engine.flat_params(params) if flat else params
+    infos = []
+    for g in seq:
+        carry, state, ss, info = step(carry, fzero.flatten(g, engine.layout) if flat else g, state, ss)
+        infos.append(info)
+    return (fzero.unflatten(carry, engine.layout) if flat else carry), state, infos
+
+
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("param_dtype", DTYPES)
+def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, monkeypatch, leaf_by_leaf_at_any_size):
+    """The compiled step from a grads pytree with the kernel, with inductor's loops per leaf and
+    from the flat buffer: every param, the master, the moments and the count bit for bit, with
+    padding between leaves (buckets), an inf that skips a step, and a learning rate that changes
+    every step. The kernel runs once per donated step, only where the update runs leaf by leaf
+    (the pure step keeps inductor's loops)."""
+    p0 = odd_params()
+    seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0)
+    calls = counted(monkeypatch)
+    got = train(p0, seq, param_dtype, flat=False, donate=donate, use_native=True, monkeypatch=monkeypatch)
+    runs = len(seq) if donate else 0
+    assert len(calls) == runs
+    for want in (train(p0, seq, param_dtype, flat=False, donate=donate, use_native=False, monkeypatch=monkeypatch),
+                 train(p0, seq, param_dtype, flat=True, donate=donate, use_native=True, monkeypatch=monkeypatch)):
+        assert [bool(i["found_inf"]) for i in got[2]] == [bool(i["found_inf"]) for i in want[2]] == [
+            False, False, True, False, False]
+        for a, b in zip(optree.tree_leaves(got[:2]), optree.tree_leaves(want[:2])):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    assert len(calls) == runs  # the other two ran no kernel
+
+
+def edge_master(param_dtype) -> torch.Tensor:
+    """FP32 master values where the cast has its edges: exact BF16 ties (each sign, low bits
+    0x8000 over even and odd kept bits), beyond each dtype's range, FP32's largest, zeros of
+    each sign, subnormals, and ordinary values."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, -0x40000000 + 0x8000, 0x7F7FFFFF, 0x7F7F8000, 0x00000001,
+                         0x00018000, 0x00000000], dtype=torch.int32)
+    special = torch.cat([bits.view(torch.float32), torch.tensor([-0.0, 7e4, -7e4, 65504.0, 65519.0, 65520.0,
+                                                                  -3.4e38, 1.0, -2.5])])
+    return torch.cat([special, torch.randn(1000, generator=torch.Generator().manual_seed(1))])
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("param_dtype", DTYPES)
+def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip):
+    """``adamw_update`` on a shard with gaps between its grad pieces (padding: zero grads) and
+    master values at the cast's edges, against the compiled ``_update`` of the same transform on
+    the FP32 grads times the mean factor: the master, both moments and the params, bit for bit
+    (eager, torch's ``sqrt`` on a CPU may differ from the correctly rounded one by an ulp). A
+    skipped step writes nothing."""
+    master = edge_master(param_dtype)
+    S = master.numel()
+    tx = transforms.adamw(lr=1e-3, weight_decay=0.1)
+    state = tx.init(master)
+    gen = torch.Generator().manual_seed(2)
+    state = (state[0]._replace(mu=torch.randn(S, generator=gen) * 1e-3, nu=torch.rand(S, generator=gen) * 1e-6,
+                               count=torch.tensor(4, dtype=torch.int32)), *state[1:])
+    grads = (torch.randn(S, generator=gen) * 100).to(param_dtype)
+    grads[3:10] = 0  # a gap: no piece holds these elements
+    pieces, starts = [grads[10:500], grads[:3], grads[500:]], [10, 0, 500]
+    mean_factor, skip_t = torch.tensor(1 / 64.0), torch.tensor(skip)
+
+    torch._dynamo.reset()
+    want_master, want_state, want_params = compiled_update().whole(tx, grads.float() * mean_factor, master, state, skip_t,
+                                                   torch.tensor(1.0, dtype=torch.float64), param_dtype)
+    mu, nu = state[0].mu.clone(), state[0].nu.clone()
+    m0 = master.clone()
+    params = cast_params(master, param_dtype, copy=True)
+    fused = tx.fused(state, grad_scale=torch.tensor(1.0), found_inf=skip_t, grad_norm=torch.tensor(1.0))
+    native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, m0, mu, nu, params)
+    for got, want in ((m0, want_master), (mu, want_state[0].mu), (nu, want_state[0].nu), (params, want_params)):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.int8), want.view(torch.int8))
+    assert int(fused.state[0].count) == (4 if skip else 5)
+
+
+def test_a_transform_it_cannot_run_keeps_the_compiled_update(monkeypatch, leaf_by_leaf_at_any_size):
+    """Clipping before AdamW (the grads times a factor the kernel does not take), a decay mask
+    or BF16 moments: the step runs inductor's loops, and no kernel."""
+    calls = counted(monkeypatch)
+    p0 = odd_params()
+    seq = grads_seq(p0, torch.bfloat16, 1.0, n=2, bad_step=None)
+    for tx in (transforms.chain(transforms.clip_by_global_norm(1.0), transforms.adamw(lr=1e-2)),
+               transforms.adamw(lr=1e-2, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
+               transforms.adamw(lr=1e-2, mu_dtype=torch.bfloat16)):
+        torch._dynamo.reset()
+        engine = fzero.zero1(tx, param_dtype=torch.bfloat16, loss_scale=None, donate=True)
+        params, state, ss = engine.init(p0)
+        step = torch.compile(engine.step, fullgraph=True)
+        for g in seq:
+            params, state, ss, _ = step(params, g, state, ss)
+        assert engine._compiled_update.leaves._compiled
+    assert calls == []
