@@ -143,11 +143,12 @@ class Engine:
             self._bound = bound
             self._context = context.prepare() if self.tx.needs_context else context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
+            # fzero's own CPU kernel where the transform allows it (``fzero.native``; built now)
+            use_native = self.tx.fused is not None and native.available(state_device)
+            self._compiled_update = self._compiled_update._replace(native=use_native)
             if self._leafwise(bound, device):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
-                # fzero's own CPU kernel where the transform allows it (``fzero.native``; built now)
-                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype,
-                                             native=self.tx.fused is not None and native.available(device))
+                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype, native=use_native)
                 self._compiled_update = self._compiled_update._replace(leaves=leaves)
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "
@@ -299,7 +300,8 @@ class Engine:
         mode = StepMode.choose(has_fused=self.tx.fused is not None, donate=self.donate, chunk_numel=self.chunk_numel,
                                param_dtype=self.param_dtype, world_size=self.comm.world_size,
                                state_device=b.state_device, flat_in=flat_in,
-                               leafwise=self._compiled_update.leaves is not None)
+                               leafwise=self._compiled_update.leaves is not None,
+                               native=self._compiled_update.native)
         return self._checked(mode.compiled), mode
 
     def _leafwise(self, b: Binding, device: torch.device) -> bool:

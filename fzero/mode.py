@@ -31,7 +31,7 @@ class StepMode:
     (``None``: the whole shard at once). ``state_device``: where master and transform state
     live (the host with ``offload``): the update runs there. ``flat_in``: the params were
     given as the flat buffer. ``donate``: results go into the inputs' buffers.
-    ``cast_into_params``: fused or ``leafwise``, donated, at world size 1 the params shard is
+    ``cast_into_params``: fused, ``leafwise`` or ``native``, donated, at world size 1 the params shard is
     the whole buffer: the update casts straight into the params' own buffer and there is
     nothing to gather. ``write_params``: donated, the gathered params are written into the given ones;
     not for FP16/BF16 leaves of a compiled pytree, where inductor would keep the new FP32
@@ -42,7 +42,9 @@ class StepMode:
     leaves large enough and a transform and master storage that allow it (the engine's
     ``_leafwise``, ``fzero.leafwise``): the update runs leaf by leaf in one opaque op, reading
     the grads as ``Segments`` (the leaves as they are); donated, it casts into the params' own
-    buffer."""
+    buffer. ``native``: donated at world size 1, compiled on the flat buffer or eager with a
+    fused form, where the engine has fzero's own CPU kernel (``fzero.native``): the update may run
+    it (``fzero.update.native_fused`` decides from the transform and the grads)."""
 
     compiled: bool
     fused: bool
@@ -54,13 +56,18 @@ class StepMode:
     write_params: bool
     own_buffer: bool
     leafwise: bool
+    native: bool
 
     @classmethod
     def choose(cls, *, has_fused: bool, donate: bool, chunk_numel: int | None, param_dtype: torch.dtype,
-               world_size: int, state_device: torch.device, flat_in: bool, leafwise: bool) -> "StepMode":
+               world_size: int, state_device: torch.device, flat_in: bool, leafwise: bool,
+               native: bool) -> "StepMode":
         compiled = compiling()
         fused = has_fused and not compiled
         leafwise = compiled and not flat_in and world_size == 1 and leafwise
+        # fzero's CPU kernel casts into the params' own buffer: donated, at world size 1, where the
+        # update is the whole buffer (compiled on the flat buffer; eager, the fused step)
+        native = native and donate and world_size == 1 and ((compiled and flat_in) or fused)
         return cls(
             compiled=compiled,
             fused=fused,
@@ -68,8 +75,9 @@ class StepMode:
             state_device=state_device,
             flat_in=flat_in,
             donate=donate,
-            cast_into_params=(fused or leafwise) and donate and world_size == 1,
+            cast_into_params=(fused or leafwise or native) and donate and world_size == 1,
             write_params=donate and (flat_in or not compiled or param_dtype == torch.float32),
             own_buffer=flat_in or not compiled,
             leafwise=leafwise,
+            native=native,
         )

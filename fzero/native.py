@@ -221,3 +221,15 @@ def adamw_update(grads: list[torch.Tensor], starts: list[int], coefficients: tor
     cast already)."""
     _module().adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params)
 
+
+@torch.library.custom_op("fzero::adamw_update_", mutates_args=("master", "m", "v", "params"))
+def _adamw_update_op(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor,
+                     mean_factor: torch.Tensor, skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor,
+                     v: torch.Tensor, params: torch.Tensor) -> None:
+    """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``)."""
+    adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params)
+
+
+@_adamw_update_op.register_fake
+def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params):
+    return None

@@ -89,11 +89,13 @@ def _update_into(tx, g, master, tx_state, skip, norm, param_dtype, outs):
 class CompiledUpdate(NamedTuple):
     """An engine's compiled updates: ``whole`` is ``_update`` (``compiled_whole``), ``into`` is
     ``_update_into`` (``compiled_chunks``), ``leaves`` the engine's ``fzero.leafwise.LeafUpdate``
-    (``compiled_leaves``; ``None`` where the step never takes it)."""
+    (``compiled_leaves``; ``None`` where the step never takes it); ``native``: fzero's own CPU
+    kernel may run the update (``fzero.native``; decided at ``init``)."""
 
     whole: Any
     into: Any
     leaves: Any = None
+    native: bool = False
 
 
 def _own_compile(fn, *, dynamic: bool = False, options: dict | None = None):
@@ -378,6 +380,39 @@ def compiled_leaves(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
     return compiled.leaves(grads.segments(), grads.mean_factor, master, tx_state, skip, norm, out)
 
 
+def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk,
+                  donate, out, compiled=None):
+    """The donated update at world size 1 with fzero's own CPU kernel (``fzero.native``) for
+    AdamW on FP32 moments (``fused.adamw``; ``native_fused`` decides): one pass that reads the
+    FP16 or BF16 grads where they lie (the flat buffer, or eager the grad leaves), writes master
+    and moments in place and casts the params into ``out``, their own buffer. A skipped step
+    writes nothing: the params are the master's cast already. The same bits as
+    ``generic_whole`` compiled."""
+    m, v = [x for x in optree.tree_leaves(tx_state) if x.ndim]
+    g = grads.segments()
+    torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, m, v,
+                                  out)
+    new_scalars = iter([x for x in optree.tree_leaves(fused.state) if not x.ndim])
+    return master, optree.tree_map(lambda x: x if x.ndim else next(new_scalars), tx_state), out
+
+
+def native_fused(tx, tx_state, grads: ShardGrads, skip, norm, param_dtype) -> FusedStep | None:
+    """The transform's ``FusedStep`` where ``native_update`` can run it, else ``None``: AdamW's
+    coefficients given for the grads as they are (no clipping before it), two ``[S]`` FP32
+    moments, the grads FP16 or BF16 contiguous CPU pieces, FP16 or BF16 params."""
+    low = (torch.float16, torch.bfloat16)
+    g = grads.segments()
+    if tx.fused is None or param_dtype not in low or any(
+            p.dtype not in low or p.device.type != "cpu" or not p.is_contiguous() for p in g.parts):
+        return None
+    sized = [x for x in optree.tree_leaves(tx_state) if x.ndim]
+    if len(sized) != 2 or any(x.dtype != torch.float32 or x.shape != (g.numel,) for x in sized):
+        return None
+    one = torch.ones((), dtype=torch.float32, device=sized[0].device)
+    fused = tx.fused(tx_state, grad_scale=one, found_inf=skip, grad_norm=norm)
+    return fused if fused is not None and fused.adamw is not None and fused.grad_scale is one else None
+
+
 COMPILE_NUMEL = 2**20  # eager shards from this size up compile their update when it has no fused kernel
 
 
@@ -390,7 +425,8 @@ def _low_precision(tx_state, S: int) -> bool:
 _LOW_PRECISION = (torch.bfloat16, torch.int8, torch.uint8)  # the moments' dtypes, not a decay mask's bool
 
 
-def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: int):
+def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: int, *,
+           param_dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
     """``(variant, fused)`` for this step's update of an ``[numel]`` shard: ``fused_chunks`` with
     the transform's ``FusedStep`` when the step is fused and the transform does not decline it
     (it decides from its state, before anything is written; ``skip``/``norm`` on the state
@@ -399,9 +435,14 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     least ``COMPILE_NUMEL`` elements (below that, compiling costs more than it saves) when no
     ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops). A transform
     that ``needs_context`` takes the whole shard: ``generic_whole``, or on such a CPU shard
-    ``compiled_whole``."""
+    ``compiled_whole``. Before all of these, with ``mode.native`` and ``out`` (the params' own
+    buffer, of ``param_dtype``): ``native_update`` where ``native_fused`` allows it."""
     if mode.leafwise:
         return compiled_leaves, None
+    if mode.native and isinstance(out, torch.Tensor):  # the params' own buffer to cast into
+        fused = native_fused(tx, tx_state, grads, skip, norm, param_dtype)
+        if fused is not None:
+            return native_update, fused
     # eager on a large CPU shard, outside a dispatch mode (torch.compile does not run under one)
     compile_it = (mode.chunk is not None and not mode.compiled and numel >= COMPILE_NUMEL
                   and _get_current_dispatch_mode() is None)

@@ -31,10 +31,11 @@ def counted(monkeypatch) -> list:
     return calls
 
 
-def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch):
-    """Compiled steps of ``adamw`` with a warm-up schedule (lr a new value each step) over
-    ``seq``, from the grads pytree (leaf by leaf, with the kernel or the compiled loops) or
-    (``flat``) from the flat buffer; returns ``(params as a pytree, state, infos)``."""
+def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compiled=True):
+    """Steps of ``adamw`` with a warm-up schedule (lr a new value each step) over ``seq``,
+    compiled (or eager), from the grads pytree (compiled: leaf by leaf, with the kernel or the
+    compiled loops) or (``flat``) from the flat buffer; returns ``(params as a pytree, state,
+    infos)``."""
     torch._dynamo.reset()
     monkeypatch.setattr(native, "available", lambda device: use_native)
     scaling = fzero.DynamicLossScale(init_scale=2.0**10, growth_interval=2) if param_dtype == torch.float16 else None
@@ -42,7 +43,7 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch):
     engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling, donate=donate, bucket_bytes=48)
     params, state, ss = engine.init(p0)
     assert engine._compiled_update.leaves.native == use_native
-    step = torch.compile(engine.step, fullgraph=True)
+    step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
     carry = engine.flat_params(params) if flat else params
     infos = []
     for g in seq:
@@ -54,24 +55,33 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch):
 @pytest.mark.parametrize("donate", [True, False])
 @pytest.mark.parametrize("param_dtype", DTYPES)
 def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, monkeypatch, leaf_by_leaf_at_any_size):
-    """The compiled step from a grads pytree with the kernel, with inductor's loops per leaf and
-    from the flat buffer: every param, the master, the moments and the count bit for bit, with
-    padding between leaves (buckets), an inf that skips a step, and a learning rate that changes
-    every step. The kernel runs once per donated step, only where the update runs leaf by leaf
-    (the pure step keeps inductor's loops)."""
+    """The compiled step from a grads pytree (leaf by leaf) and from the flat buffer, each with
+    the kernel and with inductor's loops, and the donated eager step with the kernel (the pure
+    one runs torch's fused AdamW, rounded its own way): every param, the master, the moments and
+    the count bit for bit, with padding between leaves (buckets), an inf that skips a step, and
+    a learning rate that changes every step. The kernel runs once per donated step (the pure
+    step keeps inductor's loops)."""
     p0 = odd_params()
     seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0)
     calls = counted(monkeypatch)
-    got = train(p0, seq, param_dtype, flat=False, donate=donate, use_native=True, monkeypatch=monkeypatch)
-    runs = len(seq) if donate else 0
-    assert len(calls) == runs
-    for want in (train(p0, seq, param_dtype, flat=False, donate=donate, use_native=False, monkeypatch=monkeypatch),
-                 train(p0, seq, param_dtype, flat=True, donate=donate, use_native=True, monkeypatch=monkeypatch)):
+    runs = {}
+    for flat in (False, True):
+        for use_native in (False, True):
+            before = len(calls)
+            runs[flat, use_native] = train(p0, seq, param_dtype, flat=flat, donate=donate, use_native=use_native,
+                                           monkeypatch=monkeypatch)
+            assert len(calls) - before == (len(seq) if use_native and donate else 0)
+        if donate:
+            before = len(calls)
+            runs[flat, "eager"] = train(p0, seq, param_dtype, flat=flat, donate=True, use_native=True,
+                                        monkeypatch=monkeypatch, compiled=False)
+            assert len(calls) - before == len(seq)
+    want = runs[False, False]
+    for got in runs.values():
         assert [bool(i["found_inf"]) for i in got[2]] == [bool(i["found_inf"]) for i in want[2]] == [
             False, False, True, False, False]
         for a, b in zip(optree.tree_leaves(got[:2]), optree.tree_leaves(want[:2])):
             assert a.dtype == b.dtype and torch.equal(a, b)
-    assert len(calls) == runs  # the other two ran no kernel
 
 
 def edge_master(param_dtype) -> torch.Tensor:
@@ -120,7 +130,8 @@ def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip)
 
 def test_a_transform_it_cannot_run_keeps_the_compiled_update(monkeypatch, leaf_by_leaf_at_any_size):
     """Clipping before AdamW (the grads times a factor the kernel does not take), a decay mask
-    or BF16 moments: the step runs inductor's loops, and no kernel."""
+    or BF16 moments: the step runs inductor's loops, and no kernel, from a grads pytree and from
+    the flat buffer."""
     calls = counted(monkeypatch)
     p0 = odd_params()
     seq = grads_seq(p0, torch.bfloat16, 1.0, n=2, bad_step=None)
@@ -131,7 +142,10 @@ def test_a_transform_it_cannot_run_keeps_the_compiled_update(monkeypatch, leaf_b
         engine = fzero.zero1(tx, param_dtype=torch.bfloat16, loss_scale=None, donate=True)
         params, state, ss = engine.init(p0)
         step = torch.compile(engine.step, fullgraph=True)
+        flat = engine.flat_params(params)
         for g in seq:
             params, state, ss, _ = step(params, g, state, ss)
         assert engine._compiled_update.leaves._compiled
+        for g in seq:
+            flat, state, ss, _ = step(flat, fzero.flatten(g, engine.layout), state, ss)
     assert calls == []

@@ -33,7 +33,7 @@ def shard_problem(S=1000, seed=0):
 
 def mode(**kw):
     base = dict(compiled=False, fused=True, chunk=None, state_device=torch.device("cpu"), flat_in=True,
-                donate=False, cast_into_params=False, write_params=False, own_buffer=True, leafwise=False)
+                donate=False, cast_into_params=False, write_params=False, own_buffer=True, leafwise=False, native=False)
     return StepMode(**{**base, **kw})
 
 
@@ -105,7 +105,7 @@ def test_choose_compiles_the_chunks_for_bf16_or_8_bit_state_from_compile_numel_u
 
 def test_step_mode_decides_each_mode_once():
     kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"),
-              leafwise=True)
+              leafwise=True, native=True)
     m = StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)
     assert (m.compiled, m.fused, m.chunk, m.cast_into_params, m.write_params, m.own_buffer) == (False, True, 256, True, True, True)
     m = StepMode.choose(donate=True, world_size=2, flat_in=False, **kw)
@@ -122,7 +122,13 @@ def test_step_mode_decides_each_mode_once():
     plain = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False,
                                                         **{**kw, "leafwise": False})),
                           fullgraph=True, backend="eager")(torch.zeros(1))[1]
-    assert not plain.leafwise and not plain.cast_into_params
+    assert not plain.leafwise and not plain.cast_into_params and not plain.native
+    # compiled on the flat buffer, donated, where the engine has fzero's CPU kernel: it casts into
+    # the params' own buffer (at world size 1); eager or pure, no kernel
+    flat = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=True, **kw)),
+                         fullgraph=True, backend="eager")(torch.zeros(1))[1]
+    assert flat.native and flat.cast_into_params and not flat.leafwise
+    assert not m.native and not StepMode.choose(donate=False, world_size=1, flat_in=True, **kw).native
 
 
 def test_write_into_copies_every_new_tensor_into_the_old_one():
