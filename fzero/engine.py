@@ -82,6 +82,7 @@ class Engine:
         self._shard_tx = tx
         self._context: ShardView | None = None
         self._compiled_update = compiled_update()  # the eager step's compiled update, if it is chosen
+        self._native_norm = False  # the eager norm runs fzero's own CPU kernel (``fzero.native``; decided at init)
 
     @property
     def layout(self) -> Layout | None:
@@ -146,6 +147,7 @@ class Engine:
             # fzero's own CPU kernel where the transform allows it (``fzero.native``; built now)
             use_native = self.tx.fused is not None and native.available(state_device)
             self._compiled_update = self._compiled_update._replace(native=use_native)
+            self._native_norm = native.available(device)  # the grads' device
             if self._leafwise(bound, device):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
                 leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype, native=use_native)
@@ -301,7 +303,7 @@ class Engine:
                                param_dtype=self.param_dtype, world_size=self.comm.world_size,
                                state_device=b.state_device, flat_in=flat_in,
                                leafwise=self._compiled_update.leaves is not None,
-                               native=self._compiled_update.native)
+                               native=self._compiled_update.native, native_norm=self._native_norm)
         return self._checked(mode.compiled), mode
 
     def _leafwise(self, b: Binding, device: torch.device) -> bool:

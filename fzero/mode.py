@@ -44,7 +44,8 @@ class StepMode:
     the grads as ``Segments`` (the leaves as they are); donated, it casts into the params' own
     buffer. ``native``: donated at world size 1, compiled on the flat buffer or eager with a
     fused form, where the engine has fzero's own CPU kernel (``fzero.native``): the update may run
-    it (``fzero.update.native_fused`` decides from the transform and the grads)."""
+    it (``fzero.update.native_fused`` decides from the transform and the grads). ``native_norm``:
+    eager, the grads on a CPU with that kernel built: the sum of squares runs it."""
 
     compiled: bool
     fused: bool
@@ -57,11 +58,12 @@ class StepMode:
     own_buffer: bool
     leafwise: bool
     native: bool
+    native_norm: bool
 
     @classmethod
     def choose(cls, *, has_fused: bool, donate: bool, chunk_numel: int | None, param_dtype: torch.dtype,
                world_size: int, state_device: torch.device, flat_in: bool, leafwise: bool,
-               native: bool) -> "StepMode":
+               native: bool, native_norm: bool) -> "StepMode":
         compiled = compiling()
         fused = has_fused and not compiled
         leafwise = compiled and not flat_in and world_size == 1 and leafwise
@@ -80,4 +82,5 @@ class StepMode:
             own_buffer=flat_in or not compiled,
             leafwise=leafwise,
             native=native,
+            native_norm=native_norm and not compiled,
         )

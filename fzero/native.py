@@ -1,6 +1,8 @@
-"""fzero's own CPU kernel for the mixed-precision AdamW update: one pass per element that reads
-the FP16 or BF16 grad, updates the FP32 master and both FP32 moments and writes the param in its
-dtype (DeepSpeed's ``DeepSpeedCPUAdam`` is such a kernel, for ZeRO-Offload's CPU step).
+"""fzero's own CPU kernels: the mixed-precision AdamW update (``adamw_update``), one pass per
+element that reads the FP16 or BF16 grad, updates the FP32 master and both FP32 moments and
+writes the param in its dtype (DeepSpeed's ``DeepSpeedCPUAdam`` is such a kernel, for
+ZeRO-Offload's CPU step); and the eager norm's sum of squares (``sum_of_squares``), which reads
+the grads once where torch's ops would first copy them into FP32 or float64.
 
 Per element, with ``g`` the grad in FP32 times the 0-d ``mean_factor`` (``ShardGrads.mean``),
 and the 0-d FP32 coefficients ``transforms.adam``'s arithmetic computes once per step::
@@ -35,7 +37,7 @@ import warnings
 
 import torch
 
-__all__ = ["available", "adamw_update", "COEFFICIENTS"]
+__all__ = ["available", "adamw_update", "sum_of_squares", "COEFFICIENTS"]
 
 # The 0-d FP32 values ``adamw_update`` takes, in this order (``transforms.adam.AdamWCoefficients``).
 COEFFICIENTS = ("w1", "b2", "w2", "eps", "step_size", "inv_bc2", "neg_lr", "wd")
@@ -172,7 +174,66 @@ void adamw_update(std::vector<at::Tensor> grads, std::vector<int64_t> starts, at
   span(0, nullptr, pos, S - pos);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) { mod.def("adamw_update", &adamw_update); }
+namespace {
+
+// The sum of the squares of one row of n elements (a multiple of L), in Acc: L lanes, each a
+// running sum, then the lanes added pairwise. Every product and sum rounded on its own.
+template <typename Acc, int L>
+inline double row_sumsq(const float* x, int64_t n) {
+  Acc acc[L] = {};
+  for (int64_t i = 0; i < n; i += L)
+    for (int l = 0; l < L; ++l) { Acc e = Acc(x[i + l]); acc[l] += e * e; }
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return double(acc[0]);
+}
+
+// Elements [i, i + n) of a 1-D FP32, FP16 or BF16 tensor's data as FP32 in buf (k: 0, 1, 2).
+inline const float* as_float(const void* data, int k, int64_t i, int64_t n, float* buf) {
+  if (k == 0) return static_cast<const float*>(data) + i;
+  const uint16_t* h = static_cast<const uint16_t*>(data) + i;
+  if (k == 1) half_to_float(h, buf, n);
+  else for (int64_t j = 0; j < n; ++j) buf[j] = bits_to_float(uint32_t(h[j]) << 16);
+  return buf;
+}
+
+}  // namespace
+
+at::Tensor sum_of_squares(std::vector<at::Tensor> pieces, int64_t row, bool wide) {
+  TORCH_CHECK(row > 0 && row % 16 == 0 && row <= 4096, "fzero.native: a row of ", row, " elements");
+  struct Row { const void* data; int k; int64_t at; };
+  std::vector<Row> rows;
+  std::vector<float> tails;  // every piece's elements after its last full row, end to end
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const auto& t = pieces[i];
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(), "fzero.native: grad piece ", i,
+                " must be a contiguous 1-D CPU tensor");
+    const int k = t.scalar_type() == at::kFloat ? 0 : kind(t);
+    const int64_t n = t.numel(), full = n / row * row;
+    for (int64_t a = 0; a < full; a += row) rows.push_back({t.data_ptr(), k, a});
+    float buf[4096];
+    const float* x = as_float(t.data_ptr(), k, full, n - full, buf);
+    tails.insert(tails.end(), x, x + (n - full));
+  }
+  tails.resize((tails.size() + row - 1) / row * row, 0.0f);  // zero-padded to full rows
+  for (size_t a = 0; a < tails.size(); a += row) rows.push_back({tails.data(), 0, int64_t(a)});
+  std::vector<double> sums(rows.size());
+  at::parallel_for(0, int64_t(rows.size()), 64, [&](int64_t lo, int64_t hi) {
+    float buf[4096];
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* x = as_float(rows[r].data, rows[r].k, rows[r].at, row, buf);
+      sums[r] = wide ? row_sumsq<double, 8>(x, row) : row_sumsq<float, 16>(x, row);
+    }
+  });
+  double total = 0.0;  // in the rows' order: the same bits for the same rows, whatever the threads
+  for (double x : sums) total += x;
+  return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("adamw_update", &adamw_update);
+  mod.def("sum_of_squares", &sum_of_squares);
+}
 """
 
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
@@ -233,3 +294,25 @@ def _adamw_update_op(grads: list[torch.Tensor], starts: list[int], coefficients:
 @_adamw_update_op.register_fake
 def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params):
     return None
+
+
+def sum_of_squares(pieces: list[torch.Tensor], row: int, *, wide: bool) -> torch.Tensor:
+    """``sum(g**2)`` over ``pieces`` (1-D FP16, BF16 or FP32, contiguous) as a 0-d float64, in
+    rows of ``row`` elements: each piece's full rows in order, then the elements after them
+    (every piece's, end to end) zero-padded to full rows. Each row's sum is taken in float64
+    (``wide``) or FP32, in 16 (8) running sums added pairwise, and the rows' sums are added in
+    float64 in that order: the same bits for the same pieces. Non-finite iff an element is
+    inf or NaN, or (FP32) a row's sum overflows."""
+    return torch.ops.fzero.sum_of_squares(pieces, row, wide)
+
+
+@torch.library.custom_op("fzero::sum_of_squares", mutates_args=())
+def _sum_of_squares_op(pieces: list[torch.Tensor], row: int, wide: bool) -> torch.Tensor:
+    """``sum_of_squares`` as an op (a ``TorchDispatchMode``, ``benchmarks/traffic.py``, sees the
+    pieces it reads)."""
+    return _module().sum_of_squares(pieces, row, wide)
+
+
+@_sum_of_squares_op.register_fake
+def _(pieces, row, wide):
+    return torch.empty((), dtype=torch.float64, device=pieces[0].device if pieces else "cpu")

@@ -46,7 +46,8 @@ def norm_and_overflow(path: GradPath, reduced: Reduced, scale: torch.Tensor, tx,
     non-finite, so it doubles as the cross-rank found_inf agreement. Padding is zero."""
     grads = ShardGrads.of(reduced, scale)
     bounded = path.param_dtype == torch.float16
-    sumsq = sum_of_squares(grads.segments(), bounded=bounded, compiled=mode.compiled) / grads.grad_scale.double().square()
+    sumsq = sum_of_squares(grads.segments(), bounded=bounded, compiled=mode.compiled, native=mode.native_norm)
+    sumsq = sumsq / grads.grad_scale.double().square()
     sumsq = path.comm.all_reduce_sum(sumsq)
     found_inf = ~torch.isfinite(sumsq)
     # One NaN for every overflow: a NaN's sign and payload come from whichever operand the

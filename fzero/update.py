@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fzero.transforms import FusedStep, scalar
 
+from . import native as native_kernel
 from .grads import Reduced, Segments
 from .mode import StepMode, compiling
 from .remainder import round_bf16
@@ -129,9 +130,10 @@ def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.
 
 
 NORM_BLOCK, NORM_ROW = 2**18, 256  # the eager sum of squares: elements per block, per row
+_NATIVE_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the grads fzero.native.sum_of_squares reads
 
 
-def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> torch.Tensor:
+def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False, native: bool = False) -> torch.Tensor:
     """``sum(g**2)`` over the elements of ``g`` as a 0-d float64; non-finite iff some element
     is inf or NaN.
 
@@ -153,7 +155,12 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False) -> tor
     * float64 otherwise (eager BF16 or FP32): it never overflows for finite inputs.
 
     Each is exact to ~1e-7 relative (a running sum of 256 terms; one over 2^18 terms would lose
-    1e-4)."""
+    1e-4). ``native`` (eager, CPU grads, ``fzero.native`` built): the same rows, each row's sum
+    of squares taken in one pass by fzero's kernel in FP32 (``bounded``) or float64, with no
+    FP32 or float64 copy of the grads."""
+    if native and not compiled and all(p.dtype in _NATIVE_NORM_DTYPES and p.device.type == "cpu" and p.is_contiguous()
+                                       for p in g.parts):
+        return native_kernel.sum_of_squares(g.pieces(NORM_BLOCK), NORM_ROW, wide=not bounded)
     # Each piece's full rows, then every tail that fills no row, zero-padded.
     scaled = compiled and not bounded
     dtype = torch.float32 if bounded or scaled else torch.float64

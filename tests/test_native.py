@@ -1,6 +1,8 @@
-"""fzero's own CPU AdamW kernel (``fzero.native``): the same bits as the update inductor compiles,
-in place, a skipped step, padding, BF16's ties-away rounding and the saturation of the cast; the
-pure step and the transforms it cannot run keep inductor's loops."""
+"""fzero's own CPU kernels (``fzero.native``): the AdamW update gives the same bits as the update
+inductor compiles, in place, a skipped step, padding, BF16's ties-away rounding and the
+saturation of the cast; the pure step and the transforms it cannot run keep inductor's loops.
+The eager norm's sum of squares: the float64 sum, non-finite on any inf or NaN, the same bits
+on any number of threads."""
 import optree
 import pytest
 import torch
@@ -9,8 +11,9 @@ import torch._dynamo
 import fzero
 import fzero.leafwise
 from fzero import native, transforms
-from fzero.update import cast_params, compiled_update
-from helpers import grads_seq, odd_params
+from fzero.grads import Segments
+from fzero.update import NORM_BLOCK, NORM_ROW, cast_params, compiled_update, sum_of_squares
+from helpers import grads_like, grads_seq, odd_params
 
 pytestmark = pytest.mark.skipif(not native.available(torch.device("cpu")),
                                 reason="the CPU kernel could not be built here (no C++ compiler)")
@@ -149,3 +152,80 @@ def test_a_transform_it_cannot_run_keeps_the_compiled_update(monkeypatch, leaf_b
         for g in seq:
             flat, state, ss, _ = step(flat, fzero.flatten(g, engine.layout), state, ss)
     assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_sum_of_squares_is_the_float64_sum_on_any_number_of_threads(dtype):
+    """The kernel's sum of squares of pieces with partial rows (tails that fill no row) and
+    more than one block, against the float64 sum of the squares and the eager ``sum_of_squares``
+    without the kernel, in FP32 rows (``bounded``) and float64 rows; the same bits on 1 and 2
+    threads."""
+    gen = torch.Generator().manual_seed(3)
+    g = (torch.randn(NORM_BLOCK + 70000, generator=gen) * 300).to(dtype)
+    cuts = (0, 1000, 1300, 1300 + NORM_BLOCK, g.numel())
+    seg = Segments(tuple(g[a:b] for a, b in zip(cuts, cuts[1:])), cuts[:-1], g.numel(), False)
+    want = g.double().square().sum()
+    threads = torch.get_num_threads()
+    for bounded in (True, False):
+        got = sum_of_squares(seg, bounded=bounded, native=True)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
+        torch.testing.assert_close(got, sum_of_squares(seg, bounded=bounded), rtol=2e-6, atol=0)
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            assert torch.equal(sum_of_squares(seg, bounded=bounded, native=True), got)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_sum_of_squares_spans_the_range_and_is_non_finite_on_any_inf_or_nan(dtype):
+    """In float64 rows: the dtype's largest values squared (beyond FP32) and its smallest
+    subnormals (whose squares FP32 flushes) are summed exactly enough; an inf, in a full row or
+    in a tail, gives inf and a NaN gives NaN."""
+    info = torch.finfo(dtype)
+    g = torch.cat([torch.full((300,), info.max), torch.full((20,), info.smallest_normal * info.eps)]).to(dtype)
+    seg = Segments.of(g, False)
+    torch.testing.assert_close(sum_of_squares(seg, bounded=False, native=True), g.double().square().sum(), rtol=1e-6,
+                               atol=0)
+    tiny = Segments.of(g[300:], False)
+    assert sum_of_squares(tiny, bounded=False, native=True) == g[300:].double().square().sum()
+    for at in (5, 310):  # a full row, the zero-padded tail
+        for bad, check in ((float("inf"), torch.isinf), (float("nan"), torch.isnan)):
+            h = torch.ones(320, dtype=dtype)
+            h[at] = bad
+            for bounded in (True, False):
+                assert check(sum_of_squares(Segments.of(h, False), bounded=bounded, native=True))
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES)
+def test_the_eager_norm_runs_the_kernel(param_dtype, monkeypatch):
+    """The eager pure step (torch's fused AdamW either way) with the kernel's norm and without:
+    the same params, master and moments bit for bit, the same skipped step (an inf), grad
+    norms within FP32's rounding; the kernel once per step."""
+    gen = torch.Generator().manual_seed(4)
+    p0 = {"w": torch.randn(300, 7, generator=gen), "b": torch.randn(1000, generator=gen), "c": torch.randn(5, generator=gen)}
+    seq = []
+    for i in range(3):
+        seq.append(optree.tree_map(lambda x: (x * 2.0**8).to(param_dtype), grads_like(p0, i)))
+    seq[1]["w"][4, 2] = float("inf")
+    calls, kernel = [], native.sum_of_squares
+    monkeypatch.setattr(native, "sum_of_squares", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    runs = []
+    for use_native in (True, False):
+        monkeypatch.setattr(native, "available", lambda device: use_native)
+        scaling = fzero.DynamicLossScale(init_scale=2.0**8) if param_dtype == torch.float16 else None
+        engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=param_dtype, loss_scale=scaling)
+        params, state, ss = engine.init(p0)
+        infos = []
+        for g in seq:
+            params, state, ss, info = engine.step(params, g, state, ss)
+            infos.append(info)
+        runs.append((params, state, infos))
+    assert len(calls) == len(seq)
+    (p1, s1, i1), (p2, s2, i2) = runs
+    assert [bool(i["found_inf"]) for i in i1] == [bool(i["found_inf"]) for i in i2] == [False, True, False]
+    for a, b in zip(optree.tree_leaves((p1, s1)), optree.tree_leaves((p2, s2))):
+        assert torch.equal(a, b)
+    for a, b in zip(i1, i2):
+        torch.testing.assert_close(a["grad_norm"], b["grad_norm"], rtol=1e-6, atol=0, equal_nan=True)

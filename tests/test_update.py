@@ -33,7 +33,8 @@ def shard_problem(S=1000, seed=0):
 
 def mode(**kw):
     base = dict(compiled=False, fused=True, chunk=None, state_device=torch.device("cpu"), flat_in=True,
-                donate=False, cast_into_params=False, write_params=False, own_buffer=True, leafwise=False, native=False)
+                donate=False, cast_into_params=False, write_params=False, own_buffer=True, leafwise=False, native=False,
+                native_norm=False)
     return StepMode(**{**base, **kw})
 
 
@@ -105,7 +106,7 @@ def test_choose_compiles_the_chunks_for_bf16_or_8_bit_state_from_compile_numel_u
 
 def test_step_mode_decides_each_mode_once():
     kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"),
-              leafwise=True, native=True)
+              leafwise=True, native=True, native_norm=True)
     m = StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)
     assert (m.compiled, m.fused, m.chunk, m.cast_into_params, m.write_params, m.own_buffer) == (False, True, 256, True, True, True)
     m = StepMode.choose(donate=True, world_size=2, flat_in=False, **kw)
@@ -129,6 +130,9 @@ def test_step_mode_decides_each_mode_once():
                          fullgraph=True, backend="eager")(torch.zeros(1))[1]
     assert flat.native and flat.cast_into_params and not flat.leafwise
     assert not m.native and not StepMode.choose(donate=False, world_size=1, flat_in=True, **kw).native
+    # the eager norm runs the kernel at any world size, pure or donated; the compiled one is inductor's
+    assert m.native_norm and StepMode.choose(donate=False, world_size=2, flat_in=True, **kw).native_norm
+    assert not compiled.native_norm and not flat.native_norm
 
 
 def test_write_into_copies_every_new_tensor_into_the_old_one():
