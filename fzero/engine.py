@@ -82,7 +82,7 @@ class Engine:
         self._shard_tx = tx
         self._context: ShardView | None = None
         self._compiled_update = compiled_update()  # the eager step's compiled update, if it is chosen
-        self._native_norm = False  # the eager norm runs fzero's own CPU kernel (``fzero.native``; decided at init)
+        self._native_norm = False  # the eager norm may run fzero's own CPU kernel (``fzero.native``; set at init)
 
     @property
     def layout(self) -> Layout | None:
@@ -144,10 +144,13 @@ class Engine:
             self._bound = bound
             self._context = context.prepare() if self.tx.needs_context else context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
-            # fzero's own CPU kernel where the transform allows it (``fzero.native``; built now)
-            use_native = self.tx.fused is not None and native.available(state_device)
+            # fzero's own CPU kernel (``fzero.native``) for the update where a step can run it:
+            # donated, at world size 1, a transform with a fused form; built now (once per machine)
+            use_native = (self.tx.fused is not None and self.donate and comm.world_size == 1
+                          and native.available(state_device))
             self._compiled_update = self._compiled_update._replace(native=use_native)
-            self._native_norm = native.available(device)  # the grads' device
+            # and for the eager norm of CPU grads (built at its first call, if not already)
+            self._native_norm = device.type == "cpu"
             if self._leafwise(bound, device):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
                 leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype, native=use_native)

@@ -45,7 +45,7 @@ class StepMode:
     buffer. ``native``: donated at world size 1, compiled on the flat buffer or eager with a
     fused form, where the engine has fzero's own CPU kernel (``fzero.native``): the update may run
     it (``fzero.update.native_fused`` decides from the transform and the grads). ``native_norm``:
-    eager, the grads on a CPU with that kernel built: the sum of squares runs it."""
+    eager, the grads on a CPU: the sum of squares runs that kernel where it can be built."""
 
     compiled: bool
     fused: bool

@@ -45,7 +45,7 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
     tx = transforms.adamw(lr=lambda count: 1e-2 * (count.double() + 1) / 4, weight_decay=0.1)
     engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling, donate=donate, bucket_bytes=48)
     params, state, ss = engine.init(p0)
-    assert engine._compiled_update.leaves.native == use_native
+    assert engine._compiled_update.leaves.native == (use_native and donate)
     step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
     carry = engine.flat_params(params) if flat else params
     infos = []
