@@ -144,10 +144,9 @@ class Engine:
             self._bound = bound
             self._context = context.prepare() if self.tx.needs_context else context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
-            # fzero's own CPU kernel (``fzero.native``) for the update where a step can run it:
-            # donated, at world size 1, a transform with a fused form; built now (once per machine)
-            use_native = (self.tx.fused is not None and self.donate and comm.world_size == 1
-                          and native.available(state_device))
+            # fzero's own CPU kernel (``fzero.native``) for the update where a step can run it: at
+            # world size 1, a transform with a fused form; built now (once per machine)
+            use_native = self.tx.fused is not None and comm.world_size == 1 and native.available(state_device)
             self._compiled_update = self._compiled_update._replace(native=use_native)
             # and for the eager norm of CPU grads (built at its first call, if not already)
             self._native_norm = device.type == "cpu"

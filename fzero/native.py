@@ -85,6 +85,23 @@ inline void float_to_half(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = c10::Half(src[i]).x;
 }
 
+// Clamped to [-big, big]: NaN compares false and stays NaN.
+inline float saturate(float w, float big) { return w < -big ? -big : (w > big ? big : w); }
+
+// n <= BLOCK saturated FP32 values to P: 1 FP16 (to nearest, ties to even: the hardware's
+// conversion), 2 BF16 (ties away from zero: half a BF16 ulp added to the magnitude bits).
+template <int P>
+inline void cast(const float* wf, uint16_t* p, int64_t n) {
+  if constexpr (P == 1) {
+    float_to_half(wf, p, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t b = float_to_bits(wf[i]);
+      p[i] = wf[i] != wf[i] ? uint16_t(b >> 16) : uint16_t((b + 0x8000u) >> 16);
+    }
+  }
+}
+
 // One block of n <= BLOCK elements, in place. G: 0 zero grads (padding), 1 FP16, 2 BF16; P: 1 FP16
 // params, 2 BF16.
 template <int G, int P>
@@ -100,17 +117,17 @@ inline void block(const uint16_t* g, float* w, float* m, float* v, uint16_t* p, 
     float u = (mi * c.step_size) / (std::sqrt(vi) * c.inv_bc2 + c.eps);
     wi = wi + c.neg_lr * (u + c.wd * wi);
     m[i] = mi; v[i] = vi; w[i] = wi;
-    // saturate: NaN compares false and stays NaN
-    wf[i] = wi < -c.big ? -c.big : (wi > c.big ? c.big : wi);
+    wf[i] = saturate(wi, c.big);
   }
-  if constexpr (P == 1) {
-    float_to_half(wf, p, n);
-  } else {
-    for (int64_t i = 0; i < n; ++i) {  // ties away from zero: half a BF16 ulp added to the magnitude bits
-      uint32_t b = float_to_bits(wf[i]);
-      p[i] = wf[i] != wf[i] ? uint16_t(b >> 16) : uint16_t((b + 0x8000u) >> 16);
-    }
-  }
+  cast<P>(wf, p, n);
+}
+
+// The params of n <= BLOCK elements from the master as it is (a skipped step into new params).
+template <int P>
+inline void cast_block(const float* w, uint16_t* p, int64_t n, float big) {
+  float wf[BLOCK];
+  for (int64_t i = 0; i < n; ++i) wf[i] = saturate(w[i], big);
+  cast<P>(wf, p, n);
 }
 
 template <int G, int P>
@@ -139,7 +156,8 @@ int kind(const at::Tensor& t) {
 }  // namespace
 
 void adamw_update(std::vector<at::Tensor> grads, std::vector<int64_t> starts, at::Tensor coef, at::Tensor mean_factor,
-                  at::Tensor skip, at::Tensor master, at::Tensor m, at::Tensor v, at::Tensor params) {
+                  at::Tensor skip, at::Tensor master, at::Tensor m, at::Tensor v, at::Tensor params,
+                  bool cast_on_skip) {
   const int64_t S = master.numel();
   for (const auto& t : {master, m, v})
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == S && t.device().is_cpu(),
@@ -150,9 +168,18 @@ void adamw_update(std::vector<at::Tensor> grads, std::vector<int64_t> starts, at
   const float* k = cf.data_ptr<float>();
   Coef c{k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], mean_factor.item<float>(),
          P == 1 ? 65504.0f : bits_to_float(0x7F7F0000u)};
-  if (skip.item<bool>()) return;  // nothing changes: the params are the master's cast already
   auto* W = master.data_ptr<float>(); auto* M = m.data_ptr<float>(); auto* V = v.data_ptr<float>();
   auto* Pp = reinterpret_cast<uint16_t*>(params.data_ptr());
+  if (skip.item<bool>()) {  // nothing changes; params of their own (cast_on_skip) get the master's cast
+    if (cast_on_skip)
+      at::parallel_for(0, (S + BLOCK - 1) / BLOCK, 128, [&](int64_t lo, int64_t hi) {
+        for (int64_t b = lo; b < hi; ++b) {
+          int64_t i = b * BLOCK, n = std::min(BLOCK, S - i);
+          if (P == 1) cast_block<1>(W + i, Pp + i, n, c.big); else cast_block<2>(W + i, Pp + i, n, c.big);
+        }
+      });
+    return;
+  }
   // pieces in memory order, the gaps between them (padding) with zero grads
   std::vector<std::pair<int64_t, int64_t>> order;
   for (size_t i = 0; i < grads.size(); ++i) order.emplace_back(starts[i], int64_t(i));
@@ -273,26 +300,28 @@ def available(device: torch.device) -> bool:
 
 
 def adamw_update(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor, mean_factor: torch.Tensor,
-                 skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, params: torch.Tensor) -> None:
+                 skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, params: torch.Tensor, *,
+                 cast_on_skip: bool = False) -> None:
     """The update of an ``[S]`` shard in place: ``grads[i]`` (1-D FP16 or BF16, contiguous)
     holds the elements from ``starts[i]`` (pieces in any order, not overlapping; the elements no
     piece holds have zero grads, the padding); ``coefficients`` ``[8]`` FP32 (``COEFFICIENTS``);
     ``master``, ``m``, ``v`` ``[S]`` FP32, written; ``params`` ``[S]`` FP16 or BF16, written
-    with the new master's cast (a skipped step writes nothing: the params are the old master's
-    cast already)."""
-    _module().adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params)
+    with the new master's cast. A skipped step writes nothing (the params are the old master's
+    cast already), or with ``cast_on_skip`` (new params: the pure step) only the params, the
+    master's cast."""
+    _module().adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip)
 
 
 @torch.library.custom_op("fzero::adamw_update_", mutates_args=("master", "m", "v", "params"))
 def _adamw_update_op(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor,
                      mean_factor: torch.Tensor, skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor,
-                     v: torch.Tensor, params: torch.Tensor) -> None:
+                     v: torch.Tensor, params: torch.Tensor, cast_on_skip: bool) -> None:
     """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``)."""
-    adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params)
+    adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip=cast_on_skip)
 
 
 @_adamw_update_op.register_fake
-def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params):
+def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip):
     return None
 
 

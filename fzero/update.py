@@ -389,18 +389,22 @@ def compiled_leaves(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
 
 def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk,
                   donate, out, compiled=None):
-    """The donated update at world size 1 with fzero's own CPU kernel (``fzero.native``) for
-    AdamW on FP32 moments (``fused.adamw``; ``native_fused`` decides): one pass that reads the
-    FP16 or BF16 grads where they lie (the flat buffer, or eager the grad leaves), writes master
-    and moments in place and casts the params into ``out``, their own buffer. A skipped step
-    writes nothing: the params are the master's cast already. The same bits as
-    ``generic_whole`` compiled."""
-    m, v = [x for x in optree.tree_leaves(tx_state) if x.ndim]
+    """The update at world size 1 with fzero's own CPU kernel (``fzero.native``) for AdamW on
+    FP32 moments (``fused.adamw``; ``native_fused`` decides): one pass that reads the FP16 or
+    BF16 grads where they lie (the flat buffer, or eager the grad leaves), updates master and
+    moments in place and casts the params into ``out``, their own buffer (``donate``; a skipped
+    step writes nothing: the params are the master's cast already). Pure (eager): the same on
+    copies of master and moments, the params into a new buffer (a skipped step: the master's
+    cast). The same bits as ``generic_whole`` compiled."""
+    sized = [x for x in optree.tree_leaves(tx_state) if x.ndim]
+    if not donate:
+        master, sized = master.clone(), [x.clone() for x in sized]
+        out = torch.empty(master.shape, dtype=param_dtype, device=master.device)
     g = grads.segments()
-    torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, m, v,
-                                  out)
-    new_scalars = iter([x for x in optree.tree_leaves(fused.state) if not x.ndim])
-    return master, optree.tree_map(lambda x: x if x.ndim else next(new_scalars), tx_state), out
+    torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, *sized,
+                                  out, not donate)
+    new_sized, new_scalars = iter(sized), iter([x for x in optree.tree_leaves(fused.state) if not x.ndim])
+    return master, optree.tree_map(lambda x: next(new_sized) if x.ndim else next(new_scalars), tx_state), out
 
 
 def native_fused(tx, tx_state, grads: ShardGrads, skip, norm, param_dtype) -> FusedStep | None:
@@ -442,11 +446,11 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     least ``COMPILE_NUMEL`` elements (below that, compiling costs more than it saves) when no
     ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops). A transform
     that ``needs_context`` takes the whole shard: ``generic_whole``, or on such a CPU shard
-    ``compiled_whole``. Before all of these, with ``mode.native`` and ``out`` (the params' own
-    buffer, of ``param_dtype``): ``native_update`` where ``native_fused`` allows it."""
+    ``compiled_whole``. Before all of these, with ``mode.native``: ``native_update`` where
+    ``native_fused`` allows it (``param_dtype``: the params'; ``out``: their own buffer, donated)."""
     if mode.leafwise:
         return compiled_leaves, None
-    if mode.native and isinstance(out, torch.Tensor):  # the params' own buffer to cast into
+    if mode.native:
         fused = native_fused(tx, tx_state, grads, skip, norm, param_dtype)
         if fused is not None:
             return native_update, fused

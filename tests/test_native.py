@@ -30,7 +30,7 @@ def leaf_by_leaf_at_any_size(monkeypatch):
 def counted(monkeypatch) -> list:
     """The calls of ``native.adamw_update`` from here on, counted (each still runs)."""
     calls, kernel = [], native.adamw_update
-    monkeypatch.setattr(native, "adamw_update", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(native, "adamw_update", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     return calls
 
 
@@ -45,7 +45,7 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
     tx = transforms.adamw(lr=lambda count: 1e-2 * (count.double() + 1) / 4, weight_decay=0.1)
     engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling, donate=donate, bucket_bytes=48)
     params, state, ss = engine.init(p0)
-    assert engine._compiled_update.leaves.native == (use_native and donate)
+    assert engine._compiled_update.leaves.native == use_native
     step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
     carry = engine.flat_params(params) if flat else params
     infos = []
@@ -59,10 +59,10 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
 @pytest.mark.parametrize("param_dtype", DTYPES)
 def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, monkeypatch, leaf_by_leaf_at_any_size):
     """The compiled step from a grads pytree (leaf by leaf) and from the flat buffer, each with
-    the kernel and with inductor's loops, and the donated eager step with the kernel (the pure
-    one runs torch's fused AdamW, rounded its own way): every param, the master, the moments and
-    the count bit for bit, with padding between leaves (buckets), an inf that skips a step, and
-    a learning rate that changes every step. The kernel runs once per donated step (the pure
+    the kernel and with inductor's loops, and the eager step with the kernel: every param, the
+    master, the moments and the count bit for bit, with padding between leaves (buckets), an inf
+    that skips a step (pure: the new params the master's cast), and a learning rate that changes
+    every step. The kernel runs once per step, eager or compiled and donated (the compiled pure
     step keeps inductor's loops)."""
     p0 = odd_params()
     seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0)
@@ -74,11 +74,10 @@ def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, monkeypa
             runs[flat, use_native] = train(p0, seq, param_dtype, flat=flat, donate=donate, use_native=use_native,
                                            monkeypatch=monkeypatch)
             assert len(calls) - before == (len(seq) if use_native and donate else 0)
-        if donate:
-            before = len(calls)
-            runs[flat, "eager"] = train(p0, seq, param_dtype, flat=flat, donate=True, use_native=True,
-                                        monkeypatch=monkeypatch, compiled=False)
-            assert len(calls) - before == len(seq)
+        before = len(calls)
+        runs[flat, "eager"] = train(p0, seq, param_dtype, flat=flat, donate=donate, use_native=True,
+                                    monkeypatch=monkeypatch, compiled=False)
+        assert len(calls) - before == len(seq)
     want = runs[False, False]
     for got in runs.values():
         assert [bool(i["found_inf"]) for i in got[2]] == [bool(i["found_inf"]) for i in want[2]] == [
@@ -129,6 +128,11 @@ def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip)
     for got, want in ((m0, want_master), (mu, want_state[0].mu), (nu, want_state[0].nu), (params, want_params)):
         assert got.dtype == want.dtype and torch.equal(got.view(torch.int8), want.view(torch.int8))
     assert int(fused.state[0].count) == (4 if skip else 5)
+    if skip:  # into new params (the pure step): it writes them, the master's cast, and nothing else
+        fresh, before = torch.zeros_like(params), [x.clone() for x in (m0, mu, nu)]
+        native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, m0, mu, nu, fresh, cast_on_skip=True)
+        assert torch.equal(fresh.view(torch.int16), want_params.view(torch.int16))
+        assert all(torch.equal(a, b) for a, b in zip(before, (m0, mu, nu)))
 
 
 def test_a_transform_it_cannot_run_keeps_the_compiled_update(monkeypatch, leaf_by_leaf_at_any_size):
@@ -200,9 +204,10 @@ def test_sum_of_squares_spans_the_range_and_is_non_finite_on_any_inf_or_nan(dtyp
 
 @pytest.mark.parametrize("param_dtype", DTYPES)
 def test_the_eager_norm_runs_the_kernel(param_dtype, monkeypatch):
-    """The eager pure step (torch's fused AdamW either way) with the kernel's norm and without:
-    the same params, master and moments bit for bit, the same skipped step (an inf), grad
-    norms within FP32's rounding; the kernel once per step."""
+    """The eager pure step with the kernel's norm and without (clipping at a norm never reached
+    before AdamW: torch's fused AdamW either way): the same params, master and moments bit for
+    bit, the same skipped step (an inf), grad norms within FP32's rounding; the kernel once per
+    step."""
     gen = torch.Generator().manual_seed(4)
     p0 = {"w": torch.randn(300, 7, generator=gen), "b": torch.randn(1000, generator=gen), "c": torch.randn(5, generator=gen)}
     seq = []
@@ -215,7 +220,8 @@ def test_the_eager_norm_runs_the_kernel(param_dtype, monkeypatch):
     for use_native in (True, False):
         monkeypatch.setattr(native, "available", lambda device: use_native)
         scaling = fzero.DynamicLossScale(init_scale=2.0**8) if param_dtype == torch.float16 else None
-        engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=param_dtype, loss_scale=scaling)
+        tx = transforms.chain(transforms.clip_by_global_norm(1e30), transforms.adamw(lr=1e-2, weight_decay=0.1))
+        engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling)
         params, state, ss = engine.init(p0)
         infos = []
         for g in seq:

@@ -125,11 +125,17 @@ def test_step_mode_decides_each_mode_once():
                           fullgraph=True, backend="eager")(torch.zeros(1))[1]
     assert not plain.leafwise and not plain.cast_into_params and not plain.native
     # compiled on the flat buffer, donated, where the engine has fzero's CPU kernel: it casts into
-    # the params' own buffer (at world size 1); eager or pure, no kernel
+    # the params' own buffer (at world size 1); compiled pure, no kernel; eager with a fused form,
+    # donated or pure, the kernel; not at world size 2
     flat = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=True, **kw)),
                          fullgraph=True, backend="eager")(torch.zeros(1))[1]
     assert flat.native and flat.cast_into_params and not flat.leafwise
-    assert not m.native and not StepMode.choose(donate=False, world_size=1, flat_in=True, **kw).native
+    flat_pure = torch.compile(lambda x: (x, StepMode.choose(donate=False, world_size=1, flat_in=True, **kw)),
+                              fullgraph=True, backend="eager")(torch.zeros(1))[1]
+    assert not flat_pure.native and not m.native  # m: eager without a fused form
+    eager_pure = StepMode.choose(donate=False, world_size=1, flat_in=False, **kw)
+    assert eager_pure.native and not eager_pure.cast_into_params
+    assert not StepMode.choose(donate=True, world_size=2, flat_in=True, **kw).native
     # the eager norm runs the kernel at any world size, pure or donated; the compiled one is inductor's
     assert m.native_norm and StepMode.choose(donate=False, world_size=2, flat_in=True, **kw).native_norm
     assert not compiled.native_norm and not flat.native_norm
