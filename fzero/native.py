@@ -15,17 +15,18 @@ and the 0-d FP32 coefficients ``transforms.adam``'s arithmetic computes once per
 
 each product and sum rounded on its own (no FMA contraction, ``-ffp-contract=off``), in the
 order above: the same bits as the update inductor compiles from ``transforms.adamw``
-(``tests/test_native.py``). In place only; a skipped step (``skip``, read once per call) writes
-nothing.
+(``tests/test_native.py``). In place; a skipped step (``skip``, read once per call) writes
+nothing, or into new params (the pure step) only their cast of the master.
 
 Why a kernel of its own: the CPU code inductor generates for the same arithmetic has no vector
 form of reading FP32 bits as int32, so BF16's ties-away rounding is a dozen FP32 operations there
 and the cast to BF16 another seven (``fzero.remainder``); a skip is three selects per element
 where this kernel branches once per call. Compiled by ``torch.utils.cpp_extension`` at the first
-``available()`` (an engine's ``init``; for the machine it runs on: ``-march=native``, the extension named after the CPU's flags and
-torch's version), cached as torch caches extensions (``TORCH_EXTENSIONS_DIR``). Where it cannot
-be built (no compiler) or ``FZERO_NATIVE=0``, ``available()`` is ``False`` and the step runs the
-compiled update instead.
+``available()`` (an engine's ``init`` at world size 1, or the first eager norm of CPU grads) for
+the machine it runs on (``-march=native``, the extension named after the CPU's flags and torch's
+version), cached as torch caches extensions (``TORCH_EXTENSIONS_DIR``). Where it cannot be built
+(no compiler) or ``FZERO_NATIVE=0``, ``available()`` is ``False`` and the step runs inductor's
+loops and torch's kernels instead.
 """
 from __future__ import annotations
 
