@@ -155,9 +155,9 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False, native
     * float64 otherwise (eager BF16 or FP32): it never overflows for finite inputs.
 
     Each is exact to ~1e-7 relative (a running sum of 256 terms; one over 2^18 terms would lose
-    1e-4). ``native`` (eager, CPU grads, ``fzero.native`` built: at the first call): the same rows, each row's sum
-    of squares taken in one pass by fzero's kernel in FP32 (``bounded``) or float64, with no
-    FP32 or float64 copy of the grads."""
+    1e-4). ``native`` (eager, CPU grads, ``fzero.native`` built: at the first call): the same
+    rows, each row's sum of squares taken in one pass by fzero's kernel in FP32 (``bounded``) or
+    float64, with no FP32 or float64 copy of the grads."""
     if native and not compiled and native_kernel.available(torch.device("cpu")) and all(
             p.dtype in _NATIVE_NORM_DTYPES and p.device.type == "cpu" and p.is_contiguous() for p in g.parts):
         return native_kernel.sum_of_squares(g.pieces(NORM_BLOCK), NORM_ROW, wide=not bounded)
