@@ -35,7 +35,7 @@ from torch.fx.experimental import _config as fx_config
 
 from . import native
 from .grads import Segments
-from .update import _own_compile, _update_into
+from .update import _own_compile, _update_into, native_fused
 
 try:  # torch >= 2.5: a pass with a uuid keeps inductor's graph cache on
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -236,17 +236,14 @@ def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, nor
 
 
 def _native(u: LeafUpdate, tx_state: Any, master, state, pieces, mean_factor, skip, norm, params) -> list | None:
-    """``_run``'s update in place with fzero's own CPU kernel (``fzero.native``), where the transform gives
-    AdamW's coefficients for this step (``FusedStep.adamw``: AdamW on FP32 moments, no mask, no
-    clipping before it) and the grads are FP16 or BF16: one pass over the pieces as they lie.
-    Returns the new 0-d leaves, or ``None`` (nothing written) where it does not apply."""
-    one = torch.ones((), dtype=torch.float32, device=master.device)
-    fused = u.tx.fused(tx_state, grad_scale=one, found_inf=skip, grad_norm=norm) if u.tx.fused else None
-    if (fused is None or fused.adamw is None or fused.grad_scale is not one or len(state) != 2
-            or any(g.dtype not in (torch.float16, torch.bfloat16) for _, g in pieces)):
+    """``_run``'s update in place with fzero's own CPU kernel (``fzero.native``), where
+    ``fzero.update.native_fused`` allows it: one pass over the pieces as they lie. Returns the
+    new 0-d leaves, or ``None`` (nothing written) where it does not apply."""
+    grads = [g for _, g in pieces]
+    fused = native_fused(u.tx, tx_state, grads, master.numel(), skip, norm, u.param_dtype)
+    if fused is None:
         return None
-    native.adamw_update([g for _, g in pieces], [lo for lo, _ in pieces], fused.adamw(), mean_factor, skip, master,
-                        *state, params)
+    native.adamw_update(grads, [lo for lo, _ in pieces], fused.adamw(), mean_factor, skip, master, *state, params)
     return [x for x in optree.tree_leaves(fused.state) if not x.ndim]
 
 

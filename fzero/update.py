@@ -407,17 +407,17 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
     return master, optree.tree_map(lambda x: next(new_sized) if x.ndim else next(new_scalars), tx_state), out
 
 
-def native_fused(tx, tx_state, grads: ShardGrads, skip, norm, param_dtype) -> FusedStep | None:
-    """The transform's ``FusedStep`` where ``native_update`` can run it, else ``None``: AdamW's
-    coefficients given for the grads as they are (no clipping before it), two ``[S]`` FP32
-    moments, the grads FP16 or BF16 contiguous CPU pieces, FP16 or BF16 params."""
+def native_fused(tx, tx_state, parts, numel: int, skip, norm, param_dtype) -> FusedStep | None:
+    """The transform's ``FusedStep`` where fzero's own CPU kernel can run it (``native_update``,
+    and leaf by leaf ``fzero.leafwise``), else ``None``: AdamW's coefficients given for the grads
+    as they are (no clipping before it), two ``[numel]`` FP32 moments, the grads ``parts`` FP16
+    or BF16 contiguous CPU pieces, FP16 or BF16 params."""
     low = (torch.float16, torch.bfloat16)
-    g = grads.segments()
     if tx.fused is None or param_dtype not in low or any(
-            p.dtype not in low or p.device.type != "cpu" or not p.is_contiguous() for p in g.parts):
+            p.dtype not in low or p.device.type != "cpu" or not p.is_contiguous() for p in parts):
         return None
     sized = [x for x in optree.tree_leaves(tx_state) if x.ndim]
-    if len(sized) != 2 or any(x.dtype != torch.float32 or x.shape != (g.numel,) for x in sized):
+    if len(sized) != 2 or any(x.dtype != torch.float32 or x.shape != (numel,) for x in sized):
         return None
     one = torch.ones((), dtype=torch.float32, device=sized[0].device)
     fused = tx.fused(tx_state, grad_scale=one, found_inf=skip, grad_norm=norm)
@@ -451,7 +451,8 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     if mode.leafwise:
         return compiled_leaves, None
     if mode.native:
-        fused = native_fused(tx, tx_state, grads, skip, norm, param_dtype)
+        g = grads.segments()
+        fused = native_fused(tx, tx_state, g.parts, g.numel, skip, norm, param_dtype)
         if fused is not None:
             return native_update, fused
     # eager on a large CPU shard, outside a dispatch mode (torch.compile does not run under one)
