@@ -90,7 +90,8 @@ class Block(nn.Module):
 
 
 class ModuleGPT(nn.Module):
-    """``models.gpt`` as the ``nn.Module`` a torch user writes (same shapes and parameter count)."""
+    """``models.gpt`` as the ``nn.Module`` a torch user writes: the same params, shapes and layout
+    (``tests/test_bench_e2e.py`` loads the one's params into the other)."""
 
     def __init__(self, cfg):
         super().__init__()

@@ -1,4 +1,5 @@
-"""benchmarks/e2e.py's allocator settings and the fresh-pages measures (``common.fresh_mib``, ``common.fresh_pages``).
+"""benchmarks/e2e.py: the torch recipe's model is ``models.gpt``; its allocator settings and the
+fresh-pages measures (``common.fresh_mib``, ``common.fresh_pages``).
 Under glibc's defaults a buffer above the mmap threshold is mapped when allocated and unmapped
 when freed: fresh pages every time. Under ``--malloc caching`` (``MALLOC_CACHING``) it comes from
 the heap, and when freed its pages stay there for the next allocation to reuse. Which allocation
@@ -11,8 +12,40 @@ import os
 import sys
 
 import pytest
+import torch
 
+from fzero.models import gpt
 from helpers import REPO, run_script
+
+
+def module_names(params) -> dict:
+    """``models.gpt``'s params under the names of ``e2e.ModuleGPT``'s ``state_dict``."""
+    out = {"wte.weight": params["wte"], "wpe.weight": params["wpe"],
+           "lnf.weight": params["ln_f"]["g"], "lnf.bias": params["ln_f"]["b"]}
+    where = {"ln1": ("ln1", "g", "b"), "qkv": ("attn", "qkv_w", "qkv_b"), "proj": ("attn", "proj_w", "proj_b"),
+             "ln2": ("ln2", "g", "b"), "fc": ("mlp", "fc_w", "fc_b"), "out": ("mlp", "proj_w", "proj_b")}
+    for i, blk in enumerate(params["blocks"]):
+        for name, (group, w, b) in where.items():
+            out[f"blocks.{i}.{name}.weight"], out[f"blocks.{i}.{name}.bias"] = blk[group][w], blk[group][b]
+    return out
+
+
+def test_the_torch_recipes_module_is_models_gpt():
+    """The torch recipe trains ``e2e.ModuleGPT``: given ``models.gpt``'s params by name, as they
+    are (the same shapes, ``nn.Linear``'s ``[out, in]``), its loss and grads are ``gpt.loss``'s,
+    so the two recipes run the same matrix products on the same layouts."""
+    from e2e import ModuleGPT
+    cfg = gpt.GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    params = gpt.init(torch.Generator().manual_seed(0), cfg)
+    module = ModuleGPT(cfg)
+    module.load_state_dict(module_names(params))  # strict: every name, every shape
+    batch = tuple(torch.randint(0, cfg.vocab_size, (3, 16), generator=torch.Generator().manual_seed(i)) for i in (1, 2))
+    loss = module(*batch)
+    loss.backward()
+    grads = torch.func.grad(gpt.loss)(params, batch, cfg)
+    torch.testing.assert_close(loss, gpt.loss(params, batch, cfg))  # FP32: to a few roundings
+    for name, g in module_names(grads).items():
+        torch.testing.assert_close(module.get_parameter(name).grad, g, msg=lambda m: f"{name}: {m}")
 
 SNIPPET = """
 import ctypes, json, sys, torch

@@ -49,9 +49,9 @@ def test_param_tree_and_num_params():
         assert sum(t.numel() for t in tree_leaves(params)) == cfg.num_params()
     blk = params["blocks"][0]
     assert {k: tuple(v.shape) for k, v in blk["attn"].items()} == {
-        "qkv_w": (128, 384), "qkv_b": (384,), "proj_w": (128, 128), "proj_b": (128,)}
+        "qkv_w": (384, 128), "qkv_b": (384,), "proj_w": (128, 128), "proj_b": (128,)}
     assert {k: tuple(v.shape) for k, v in blk["mlp"].items()} == {
-        "fc_w": (128, 512), "fc_b": (512,), "proj_w": (512, 128), "proj_b": (128,)}
+        "fc_w": (512, 128), "fc_b": (512,), "proj_w": (128, 512), "proj_b": (128,)}
     assert params["head"].shape == params["wte"].shape == (256, 128)
     tied, untied = GPTConfig.gpt2(), GPTConfig(50257, 1024, 12, 12, 768, tied=False)
     assert untied.num_params() - tied.num_params() == 50257 * 768

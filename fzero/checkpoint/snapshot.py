@@ -89,7 +89,10 @@ def _check_model(manifest: dict, layout: Layout, where: str) -> None:
         if p not in have:
             raise CheckpointError(f"{where}: checkpoint leaf {p!r} (shape {shape}) is not in this model")
         if have[p] != shape:
-            raise CheckpointError(f"{where}: leaf {p!r} has shape {shape} in the checkpoint but {have[p]} in this model")
+            # e.g. a matrix saved [in, out] by a model that now stores it [out, in]
+            turned = " (transposed)" if have[p] == shape[::-1] else ""
+            raise CheckpointError(f"{where}: leaf {p!r} has shape {shape} in the checkpoint but {have[p]}{turned} "
+                                  "in this model")
     names = [e["path"] for e in saved]
     for p in layout.paths:
         if p not in names:
