@@ -55,8 +55,10 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
     return (fzero.unflatten(carry, engine.layout) if flat else carry), state, infos
 
 
-@pytest.mark.parametrize("donate", [True, False])
-@pytest.mark.parametrize("param_dtype", DTYPES)
+# Pure in BF16 only: its kernel call is the donated one on copies of master and moments, into new
+# params (``cast_on_skip``, whose cast the edges test below takes in both dtypes).
+@pytest.mark.parametrize("param_dtype,donate", [(torch.float16, True), (torch.bfloat16, True),
+                                                (torch.bfloat16, False)])
 def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, monkeypatch, leaf_by_leaf_at_any_size):
     """The compiled step from a grads pytree (leaf by leaf) and from the flat buffer, each with
     the kernel and with inductor's loops, and the eager step with the kernel: every param, the
@@ -137,22 +139,27 @@ def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip)
 
 def test_a_transform_it_cannot_run_keeps_the_compiled_update(monkeypatch, leaf_by_leaf_at_any_size):
     """Clipping before AdamW (the grads times a factor the kernel does not take), a decay mask
-    or BF16 moments: the step runs inductor's loops, and no kernel, from a grads pytree and from
-    the flat buffer."""
+    or BF16 moments: ``update.native_fused`` declines each, and the step runs torch's kernel or
+    inductor's loops, never this one: eager for all three, and compiled from a grads pytree (leaf
+    by leaf) and from the flat buffer for clipping, the one whose state the kernel could take
+    (both compiled paths ask the same ``native_fused``)."""
     calls = counted(monkeypatch)
     p0 = odd_params()
     seq = grads_seq(p0, torch.bfloat16, 1.0, n=2, bad_step=None)
-    for tx in (transforms.chain(transforms.clip_by_global_norm(1.0), transforms.adamw(lr=1e-2)),
-               transforms.adamw(lr=1e-2, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
-               transforms.adamw(lr=1e-2, mu_dtype=torch.bfloat16)):
+    clipped = transforms.chain(transforms.clip_by_global_norm(1.0), transforms.adamw(lr=1e-2))
+    for tx, compiled in ((clipped, False), (clipped, True),
+                         (transforms.adamw(lr=1e-2, weight_decay_mask=lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
+                          False),
+                         (transforms.adamw(lr=1e-2, mu_dtype=torch.bfloat16), False)):
         torch._dynamo.reset()
         engine = fzero.zero1(tx, param_dtype=torch.bfloat16, loss_scale=None, donate=True)
         params, state, ss = engine.init(p0)
-        step = torch.compile(engine.step, fullgraph=True)
+        assert engine._compiled_update.leaves.native  # the kernel is there: the transform declines it
+        step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
         flat = engine.flat_params(params)
         for g in seq:
             params, state, ss, _ = step(params, g, state, ss)
-        assert engine._compiled_update.leaves._compiled
+        assert bool(engine._compiled_update.leaves._compiled) == compiled  # leaf by leaf: compiled only
         for g in seq:
             flat, state, ss, _ = step(flat, fzero.flatten(g, engine.layout), state, ss)
     assert calls == []
