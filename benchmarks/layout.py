@@ -79,10 +79,10 @@ def measure(args, dtype_name: str) -> list:
         return lambda: [run() for _ in range(args.steps)]
 
     times = sample_times({k: block(r) for k, r in runs.items()}, torch.device("cpu"), iters=args.rounds, warmup=1)
-    base, other = times.values()
+    (name, base), (other_name, other) = times.items()
+    ms = lambda ts: f"{statistics.median(ts) / args.steps * 1e3:.1f}"  # noqa: E731
     ratio = statistics.median(o / b for b, o in zip(base, other))
-    return [[dtype_name, name, f"{statistics.median(ts) / args.steps * 1e3:.1f}", "1.00" if name == next(iter(times))
-             else f"{ratio:.3f}"] for name, ts in times.items()]
+    return [[dtype_name, name, ms(base), "1.00"], [dtype_name, other_name, ms(other), f"{ratio:.3f}"]]
 
 
 def main(argv=None):

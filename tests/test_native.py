@@ -138,7 +138,7 @@ def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip)
         assert all(torch.equal(a, b) for a, b in zip(before, (m0, mu, nu)))
 
 
-def test_a_transform_it_cannot_run_keeps_the_compiled_update(monkeypatch, leaf_by_leaf_at_any_size):
+def test_a_transform_it_cannot_run_never_calls_it(monkeypatch, leaf_by_leaf_at_any_size):
     """Clipping before AdamW (the grads times a factor the kernel does not take), a decay mask
     or BF16 moments: ``update.native_fused`` declines each, and the step runs torch's kernel or
     inductor's loops, never this one: eager for all three, and compiled from a grads pytree (leaf
