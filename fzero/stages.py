@@ -70,8 +70,7 @@ def update(tx, checked: Checked, master: torch.Tensor, tx_state: Any, *, param_d
     buffer to cast into (``mode.cast_into_params``), else ``None``; ``compiled``: the engine's
     ``fzero.update.compiled_update()``, for a compiled variant."""
     skip, norm = checked.skip.to(mode.state_device), checked.norm.to(mode.state_device)
-    variant, fused = choose(mode, tx, tx_state, checked.grads, skip, norm, master.numel(), param_dtype=param_dtype,
-                            out=out)
+    variant, fused = choose(mode, tx, tx_state, checked.grads, skip, norm, master.numel(), param_dtype=param_dtype)
     return variant(tx, fused, checked.grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=mode.chunk,
                    donate=mode.donate, out=out, compiled=compiled)
 

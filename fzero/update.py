@@ -437,7 +437,7 @@ _LOW_PRECISION = (torch.bfloat16, torch.int8, torch.uint8)  # the moments' dtype
 
 
 def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: int, *,
-           param_dtype: torch.dtype | None = None, out: torch.Tensor | None = None):
+           param_dtype: torch.dtype | None = None):
     """``(variant, fused)`` for this step's update of an ``[numel]`` shard: ``fused_chunks`` with
     the transform's ``FusedStep`` when the step is fused and the transform does not decline it
     (it decides from its state, before anything is written; ``skip``/``norm`` on the state
@@ -447,7 +447,7 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops). A transform
     that ``needs_context`` takes the whole shard: ``generic_whole``, or on such a CPU shard
     ``compiled_whole``. Before all of these, with ``mode.native``: ``native_update`` where
-    ``native_fused`` allows it (``param_dtype``: the params'; ``out``: their own buffer, donated)."""
+    ``native_fused`` allows it (``param_dtype``: the params')."""
     if mode.leafwise:
         return compiled_leaves, None
     if mode.native:
