@@ -72,13 +72,21 @@ def check_state(state: Any, scaler_state: Any, state_type: type, master_numel: i
     if not isinstance(m, torch.Tensor) or m.shape != (master_numel,) or m.dtype != master_dtype:
         raise ValueError(f"state.master is {_describe(m)}, this engine's is ({master_numel},) {master_dtype}: "
                          "the state of another engine (another model, world size, layout or master=)?")
-    paths, leaves, spec = leaf_paths(state.tx_state)
-    # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked.
-    if len(leaves) != len(tx_leaves) or (not compiled and spec != tx_spec):
-        raise ValueError(f"state.tx_state is {spec}, this engine's transform built {tx_spec}: "
+    # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked. The
+    # leaves' paths are built only for an error: traced, optree's calls are interpreted bytecode
+    # by bytecode, and the paths were a quarter of what dynamo traced of a step.
+    leaves = optree.tree_leaves(state.tx_state) if compiled else None
+    if leaves is None:
+        leaves, spec = optree.tree_flatten(state.tx_state)
+        if spec != tx_spec:
+            raise ValueError(f"state.tx_state is {spec}, this engine's transform built {tx_spec}: "
+                             "the state of another engine (another transform)?")
+    if len(leaves) != len(tx_leaves):
+        raise ValueError(f"state.tx_state has {len(leaves)} leaves, this engine's transform built {len(tx_leaves)}: "
                          "the state of another engine (another transform)?")
     if any(not isinstance(x, torch.Tensor) or x.shape != shape or x.dtype != dtype
            for x, (_, shape, dtype) in zip(leaves, tx_leaves)):
+        paths = leaf_paths(state.tx_state)[0]
         diff = first_difference([(p, _describe(x)) for p, x in zip(paths, leaves)],
                                 [(p, f"shape {tuple(shape)} {dtype}") for p, shape, dtype in tx_leaves])
         raise ValueError(f"state.tx_state {diff}: the state of another engine (another transform or layout)?")

@@ -396,15 +396,19 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
     step writes nothing: the params are the master's cast already). Pure (eager): the same on
     copies of master and moments, the params into a new buffer (a skipped step: the master's
     cast). The same bits as ``generic_whole`` compiled."""
-    sized = [x for x in optree.tree_leaves(tx_state) if x.ndim]
+    # ``fused.state`` is the new state, its moments the tensors the kernel writes: one traversal
+    # of it (traced, each optree call is some 2,500 instructions dynamo interprets).
+    new_state = fused.state
+    sized = [x for x in optree.tree_leaves(new_state) if x.ndim]
     if not donate:
         master, sized = master.clone(), [x.clone() for x in sized]
         out = torch.empty(master.shape, dtype=param_dtype, device=master.device)
+        copies = iter(sized)
+        new_state = optree.tree_map(lambda x: next(copies) if x.ndim else x, new_state)
     g = grads.segments()
     torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, *sized,
                                   out, not donate)
-    new_sized, new_scalars = iter(sized), iter([x for x in optree.tree_leaves(fused.state) if not x.ndim])
-    return master, optree.tree_map(lambda x: next(new_sized) if x.ndim else next(new_scalars), tx_state), out
+    return master, new_state, out
 
 
 def native_fused(tx, tx_state, parts, numel: int, skip, norm, param_dtype) -> FusedStep | None:

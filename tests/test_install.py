@@ -32,8 +32,10 @@ def test_the_wheel_runs_the_readme_example_beside_a_project_with_its_own_models_
     run_script([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
                 str(source)], check=True, capture_output=True)
     wheel, = dist.glob("fzero-*.whl")
-    top = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()}
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/", 1)[0] for name in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"fzero"}, top
+    assert "fzero/native.cpp" in names, "the CPU kernels' source is not in the wheel"
 
     # A fresh venv: fzero from the wheel; torch, optree, ... of this environment (a .pth line,
     # so its editable fzero, activated by a .pth file of its own, stays out).
@@ -61,3 +63,4 @@ def test_the_wheel_runs_the_readme_example_beside_a_project_with_its_own_models_
                       capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "step 80 loss" in proc.stdout and (project / "ckpt").is_dir(), proc.stdout
+    assert "could not be built" not in proc.stderr, proc.stderr[-3000:]  # the kernels, built from the wheel's source
