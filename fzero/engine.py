@@ -300,7 +300,7 @@ class Engine:
     def _begin(self, params: Any) -> tuple[Binding, StepMode]:
         """The binding and the ``StepMode`` of a call that takes ``params`` (checked)."""
         b = self._bound or self._checked(False)  # raises before init
-        flat_in = b.grads.check(params, "params")
+        flat_in = b.grads.check(params, "params") is None
         mode = StepMode.choose(has_fused=self.tx.fused is not None, donate=self.donate, chunk_numel=self.chunk_numel,
                                param_dtype=self.param_dtype, world_size=self.comm.world_size,
                                state_device=b.state_device, flat_in=flat_in,

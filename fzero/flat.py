@@ -38,6 +38,7 @@ __all__ = [
     "shard_of",
     "tree_shard",
     "leaf_paths",
+    "leaf_views",
     "concat",
     "per_leaf_shard",
     "flat_buffer",
@@ -206,7 +207,10 @@ def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = No
     ``torch.compile`` inductor turns each ``cat`` into one concat kernel (with many leaves,
     better than fusing a many-way select into the step's kernel).
     """
-    leaves = optree.tree_leaves(tree)
+    # A list of tensors is its own leaves (``GradPath.buckets`` passes the checked leaves):
+    # traced, optree's walk of it would be some 200 bytecode instructions per leaf.
+    is_leaves = isinstance(tree, list) and all(isinstance(x, torch.Tensor) for x in tree)
+    leaves = tree if is_leaves else optree.tree_leaves(tree)
     if out is not None:
         if compiling():
             raise ValueError("flatten(out=...) is eager only: under torch.compile, use the returned buffer")
@@ -273,7 +277,9 @@ class _SplitGradsInto(torch.autograd.Function):
         return None, None, None
 
 
-def _views(flat: torch.Tensor, layout: Layout, grads_into: torch.Tensor | None = None) -> list[torch.Tensor]:
+def leaf_views(flat: torch.Tensor, layout: Layout, grads_into: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The leaves' views of a ``[padded_numel]`` buffer, in the layout's leaf order and shapes
+    (``unflatten``'s leaves, without building the tree); ``grads_into`` as ``unflatten`` takes it."""
     # One split into the leaves and the gaps between them (in buffer order), not a slice per
     # leaf: the same views, but autograd's backward of a split is one concatenation, which
     # inductor writes straight into one buffer; the backward of N slices is N scatters into
@@ -305,7 +311,7 @@ def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_int
     if grads_into is not None:
         _check_grads_into(grads_into, flat)
     spec = layout.treespec if like is None else optree.tree_structure(like)
-    return optree.tree_unflatten(spec, _views(flat, layout, grads_into))
+    return optree.tree_unflatten(spec, leaf_views(flat, layout, grads_into))
 
 
 def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:

@@ -148,20 +148,24 @@ class GradPath:
         return self.comm.data_parallel > 1 and self.reduce_dtype.itemsize > self.param_dtype.itemsize
 
     # ------------------------------------------------------------------ the door
-    def check(self, x: Any, what: str) -> bool:
+    def check(self, x: Any, what: str) -> list[torch.Tensor] | None:
         """Validate params or grads (``what``), given as the flat ``[N*S]`` buffer or as a pytree
-        like the params, against the layout, device and param dtype; return whether ``x`` is flat."""
-        flat = isinstance(x, torch.Tensor) and x.shape == (self.layout.padded_numel,)
-        check = checks.check_flat if flat else checks.check_like_layout
-        check(x, self.layout, what=what, device=self.device, dtype=self.param_dtype)
-        return flat
+        like the params, against the layout, device and param dtype; return the pytree's leaves
+        (in the layout's order), or ``None`` if ``x`` is flat. The callers go on with these
+        leaves rather than walk the tree again: traced, each walk of a model's pytree is some
+        20,000 bytecode instructions dynamo interprets (``benchmarks/compile_time.py``)."""
+        if isinstance(x, torch.Tensor) and x.shape == (self.layout.padded_numel,):
+            checks.check_flat(x, self.layout, what=what, device=self.device, dtype=self.param_dtype)
+            return None
+        return checks.check_like_layout(x, self.layout, what=what, device=self.device, dtype=self.param_dtype)
 
     def buckets(self, grads: Any, dtype: torch.dtype) -> list[torch.Tensor]:
         """A grads pytree or flat buffer, checked, as one ``[N*S_b]`` buffer per bucket in
         ``dtype`` (views of a flat buffer already in ``dtype``)."""
-        if self.check(grads, "grads"):  # d(loss)/d(flat buffer): already laid out
+        leaves = self.check(grads, "grads")
+        if leaves is None:  # d(loss)/d(flat buffer): already laid out
             return [x.to(dtype) for x in split_buckets(grads, self.layout)]
-        return flatten_buckets(grads, self.layout, dtype=dtype)
+        return flatten_buckets(leaves, self.layout, dtype=dtype)
 
     def to_form(self, grads: Any, *, segments: bool = False, donated: bool = False) -> Form:
         """What a user passes to ``step`` as grads, as ``Unreduced`` or ``Reduced``. ``segments``:
@@ -185,9 +189,9 @@ class GradPath:
     def segments(self, grads: Any) -> Segments:
         """A grads pytree or flat buffer, checked, as ``Segments`` of the flat ``[N*S]`` order
         (this rank's shard at world size 1): one piece per leaf (views of a flat buffer)."""
-        flat = self.check(grads, "grads")
-        # (checked: a pytree has the layout's structure, so its leaves are the layout's leaves)
-        leaves = optree.tree_leaves(unflatten(grads, self.layout) if flat else grads)
+        leaves = self.check(grads, "grads")  # a pytree's leaves are the layout's leaves, in order
+        if leaves is None:
+            leaves = optree.tree_leaves(unflatten(grads, self.layout))
         # Ordered by offset (buckets fill in reverse); traced, in the leaves' order: dynamo may
         # trace the layout's ints as symbols, which it cannot sort, and the traced readers (the
         # compiled norm, fzero.leafwise) take the pieces in any order.
@@ -261,7 +265,7 @@ class GradPath:
             raise TypeError("engine.grad_and_value: the grad function takes (params, scaler_state, *args); its second "
                             "argument must be the LossScaleState from init/step, got "
                             f"{type(scaler_state).__name__} (fn returns the plain loss: the grad function scales it)")
-        if self.check(params, "params"):
+        if self.check(params, "params") is None:  # the flat buffer
             params = unflatten(params, self.layout)
         self._check_sum(acc)
         comm, layout, device = self.comm, self.layout, self.device

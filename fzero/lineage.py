@@ -68,8 +68,10 @@ def buffer_of(params: Any) -> torch.Tensor | None:
 
 def mark(params: Any, master: torch.Tensor) -> None:
     """Record that ``params`` were written together with the state whose master is ``master``."""
+    if compiling():  # before the leaves: traced, each optree call is thousands of instructions
+        return
     buf = buffer_of(params)
-    if buf is None or compiling():
+    if buf is None:
         return
     ticket = next(_tickets)
     setattr(buf, _ATTR, Mark(ticket, buf._version, master._version))

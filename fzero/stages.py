@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .flat import Layout, flat_buffer, flatten, shard_of, unflatten
+from .flat import Layout, flat_buffer, flatten, leaf_views, shard_of, unflatten
 from .grads import GradPath, Reduced
 from .mode import StepMode
 from .update import ShardGrads, choose, sum_of_squares, write_into
@@ -90,8 +90,13 @@ def gather(path: GradPath, shard: torch.Tensor, params: Any, mode: StepMode, cas
         path.comm.all_gather_into(into, shard, path.layout)
         return params
     new_params = path.comm.all_gather(shard, path.layout)
-    new_params = new_params if mode.flat_in else unflatten(new_params, path.layout, like=params)
-    return write_into(params, new_params) if mode.write_params else new_params
+    if mode.flat_in:
+        return write_into(params, new_params) if mode.write_params else new_params
+    if mode.write_params:  # view by view into the leaves: no tree built, then walked again
+        for old, new in zip(optree.tree_leaves(params), leaf_views(new_params, path.layout)):
+            old.copy_(new)
+        return params
+    return unflatten(new_params, path.layout, like=params)
 
 
 def own_buffer(params: Any, layout: Layout, flat_in: bool) -> torch.Tensor | None:
