@@ -67,7 +67,6 @@ def compile_once(config, dtype, form: str) -> tuple[int, float, float]:
     grads = optree.tree_map(lambda x: torch.full_like(x, 1e-3), params)
     carry, grads = (engine.flat_params(params), fzero.flatten(grads, engine.layout)) if form == "flat" else (params, grads)
     torch._dynamo.reset()
-    torch._dynamo.utils.compile_times(repr="csv", aggregate=True)  # read once: a baseline below
     before = tracing_seconds()
     step = torch.compile(engine.step, fullgraph=True)
     with InstructionCount() as count:

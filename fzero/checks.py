@@ -75,8 +75,9 @@ def check_state(state: Any, scaler_state: Any, state_type: type, master_numel: i
     # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked. The
     # leaves' paths are built only for an error: traced, optree's calls are interpreted bytecode
     # by bytecode, and the paths were a quarter of what dynamo traced of a step.
-    leaves = optree.tree_leaves(state.tx_state) if compiled else None
-    if leaves is None:
+    if compiled:
+        leaves = optree.tree_leaves(state.tx_state)
+    else:
         leaves, spec = optree.tree_flatten(state.tx_state)
         if spec != tx_spec:
             raise ValueError(f"state.tx_state is {spec}, this engine's transform built {tx_spec}: "

@@ -39,6 +39,7 @@ __all__ = [
     "tree_shard",
     "leaf_paths",
     "leaf_views",
+    "tree_leaves",
     "concat",
     "per_leaf_shard",
     "flat_buffer",
@@ -196,6 +197,15 @@ def make_layout(
     return Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
 
 
+def tree_leaves(tree: Any) -> list:
+    """``optree.tree_leaves(tree)``, where a list of tensors is its own leaves (the stages pass
+    leaves they walked once already): traced, optree's walk of such a list is some 200 bytecode
+    instructions per leaf that dynamo interprets."""
+    if isinstance(tree, list) and all(isinstance(x, torch.Tensor) for x in tree):
+        return tree
+    return optree.tree_leaves(tree)
+
+
 def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None,
                     out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The leaves copied into one ``[world_size * S_b]`` buffer per bucket, in ``dtype``
@@ -207,10 +217,7 @@ def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = No
     ``torch.compile`` inductor turns each ``cat`` into one concat kernel (with many leaves,
     better than fusing a many-way select into the step's kernel).
     """
-    # A list of tensors is its own leaves (``GradPath.buckets`` passes the checked leaves):
-    # traced, optree's walk of it would be some 200 bytecode instructions per leaf.
-    is_leaves = isinstance(tree, list) and all(isinstance(x, torch.Tensor) for x in tree)
-    leaves = tree if is_leaves else optree.tree_leaves(tree)
+    leaves = tree_leaves(tree)  # GradPath.buckets passes the leaves it checked
     if out is not None:
         if compiling():
             raise ValueError("flatten(out=...) is eager only: under torch.compile, use the returned buffer")

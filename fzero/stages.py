@@ -93,8 +93,7 @@ def gather(path: GradPath, shard: torch.Tensor, params: Any, mode: StepMode, cas
     if mode.flat_in:
         return write_into(params, new_params) if mode.write_params else new_params
     if mode.write_params:  # view by view into the leaves: no tree built, then walked again
-        for old, new in zip(optree.tree_leaves(params), leaf_views(new_params, path.layout)):
-            old.copy_(new)
+        write_into(optree.tree_leaves(params), leaf_views(new_params, path.layout))
         return params
     return unflatten(new_params, path.layout, like=params)
 

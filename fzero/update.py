@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from fzero.transforms import FusedStep, scalar
 
 from . import native as native_kernel
+from .flat import tree_leaves
 from .grads import Reduced, Segments
 from .mode import StepMode, compiling
 from .remainder import round_bf16
@@ -54,11 +55,12 @@ def cast_params(master: torch.Tensor, dtype: torch.dtype, *, copy: bool = False,
 
 
 def write_into(old: Any, new: Any) -> Any:
-    """Copy every tensor of ``new`` into the matching tensor of ``old``; return ``old``.
+    """Copy every tensor of ``new`` into the matching tensor of ``old`` (pytrees, or lists of
+    leaves); return ``old``.
 
     Under ``torch.compile`` inductor stores the step's results straight into the input
     buffers, so the FP32 state is never held twice."""
-    for o, n in zip(optree.tree_leaves(old), optree.tree_leaves(new)):
+    for o, n in zip(tree_leaves(old), tree_leaves(new)):
         if o is not n:  # updated in place already (the fused kernel)
             o.copy_(n)
     return old
