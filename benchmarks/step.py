@@ -55,6 +55,14 @@ from common import (GPT_CONFIGS, classic_step, fresh_mib, fresh_pages, hardware,
                     profile_table, table)
 
 
+def runs_leaf_by_leaf(tx, dtype: torch.dtype, params) -> bool:
+    """Whether an engine of ``tx`` with ``donate=True`` runs the compiled update from a grads
+    pytree of ``params`` leaf by leaf (``fzero.leafwise``): it decides at ``init``."""
+    engine = fzero.zero1(tx, param_dtype=dtype, donate=True)
+    engine.init(params)
+    return engine._compiled_update.leaves is not None
+
+
 def gpt_leaf_sizes(config) -> list[int]:
     """The element counts of ``fzero.models.gpt``'s leaves at ``config``, in the params' order."""
     return [x.numel() for x in optree.tree_leaves(gpt.init(torch.Generator().manual_seed(0), config, device="meta"))]
@@ -211,9 +219,10 @@ def main(argv=None):
                   ("fzero eager, donate=False (pure)", "eager pure", False, False, False),
                   ("fzero compiled, donate=False (pure)", "compiled pure", True, False, False),
                   ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)]
-    # On a CPU the compiled update from the pytree runs leaf by leaf for enough elements in large
-    # enough leaves, else in the step's graph (fzero.leafwise.worthwhile): the other path too.
-    leaf_by_leaf = dev.type == "cpu" and fzero.leafwise.worthwhile(N, len(sizes))
+    # On a CPU the compiled update from the pytree runs leaf by leaf for enough elements (in large
+    # enough leaves, unless fzero's own kernel runs it), else in the step's graph: what the
+    # engine chose at init (fzero.leafwise.worthwhile); the other path too.
+    leaf_by_leaf = dev.type == "cpu" and runs_leaf_by_leaf(transforms.adamw(lr=1e-4), dtype, params32)
     other = "in the step's graph" if leaf_by_leaf else "leaf by leaf"
     if dev.type == "cpu":
         fzero_rows.append((f"fzero compiled, update {other}", "other path", True, False, True))
@@ -221,7 +230,7 @@ def main(argv=None):
         if compiled and not args.compile:
             continue
         engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate)
-        other_path = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves: not leaf_by_leaf)
+        other_path = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves, native: not leaf_by_leaf)
                       if key == "other path" else contextlib.nullcontext())
         with other_path:  # the engine chooses at init
             carry = list(engine.init(params32))  # params, state, scaler_state

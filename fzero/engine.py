@@ -150,7 +150,10 @@ class Engine:
             self._compiled_update = self._compiled_update._replace(native=use_native)
             # and for the eager norm of CPU grads (built at its first call, if not already)
             self._native_norm = device.type == "cpu"
-            if self._leafwise(bound, device):
+            # (donated only: the pure step's update leaf by leaf runs inductor's loops, see fzero.leafwise)
+            native_leaves = self.donate and use_native and leafwise.native_runs(
+                self._shard_tx, state.tx_state, layout.shard_numel, self.param_dtype)
+            if self._leafwise(bound, device, native=native_leaves):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
                 leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype, native=use_native)
                 self._compiled_update = self._compiled_update._replace(leaves=leaves)
@@ -308,22 +311,23 @@ class Engine:
                                native=self._compiled_update.native, native_norm=self._native_norm)
         return self._checked(mode.compiled), mode
 
-    def _leafwise(self, b: Binding, device: torch.device) -> bool:
+    def _leafwise(self, b: Binding, device: torch.device, *, native: bool) -> bool:
         """Whether a compiled step from a params pytree may run its update leaf by leaf
         (``fzero.leafwise``): on a CPU, for a model and leaves large enough
-        (``leafwise.worthwhile``), at world size 1, the state where the params are, an FP32
-        master beside FP16 or BF16 params, a transform elementwise on any slice (no blocks, no
-        context) whose state is ``[S]`` and 0-d tensors.
+        (``leafwise.worthwhile``; ``native``: fzero's own CPU kernel would run it, where the
+        leaves' count costs nothing and the model's size alone decides), at world size 1, the
+        state where the params are, an FP32 master beside FP16 or BF16 params, a transform
+        elementwise on any slice (no blocks, no context) whose state is ``[S]`` and 0-d tensors.
 
         What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
         fuses, and new shard-sized buffers, fresh pages from the OS every step); what it costs is
         host time per leaf, which small leaves or a small model do not repay (the measurements
-        behind ``leafwise.MIN_MEAN_NUMEL`` and ``MIN_NUMEL``), nor a GPU's kernels hide at a
+        behind ``leafwise.MIN_MEAN_NUMEL``, ``MIN_NUMEL`` and ``NATIVE_MIN_NUMEL``), nor a GPU's kernels hide at a
         model's size (GPT-2 small's whole update is about 1 ms of an H200's bandwidth;
         docs/performance.md)."""
         layout = b.grads.layout
         S = layout.shard_numel
-        return (device.type == "cpu" and leafwise.worthwhile(layout.numel, len(layout.shapes))
+        return (device.type == "cpu" and leafwise.worthwhile(layout.numel, len(layout.shapes), native=native)
                 and self.comm.world_size == 1 and b.state_device == device
                 and self.master == "fp32" and self.param_dtype != torch.float32 and self.tx.block == 1
                 and not self.tx.needs_context and all(shape in ((S,), ()) for _, shape, _ in b.tx_leaves))

@@ -2,11 +2,13 @@
 
 Compiled from a grads pytree at world size 1 on a CPU, for ``MIN_NUMEL`` elements or more in
 leaves of ``MIN_MEAN_NUMEL`` or more on average (``worthwhile``: the host time per leaf this
-takes would not be repaid by small leaves or a small model, nor hidden by a GPU's kernels), the
-update reads each grad leaf and writes each leaf's slice of the flat FP32 state. Inside one
-graph neither is cheap on a CPU: inductor lowers the leaves' concatenation to a copy into a new
-buffer (its CPU ``cat`` never fuses into the consumer), and a write into a slice of a graph
-input becomes, after functionalization, one masked pass over the whole state per leaf. So the
+takes would not be repaid by small leaves or a small model, nor hidden by a GPU's kernels), or
+for ``NATIVE_MIN_NUMEL`` elements whatever the leaves where fzero's own CPU kernel runs the
+donated update (one call over all the leaves: ``native_runs``), the update reads each grad
+leaf and writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a
+CPU: inductor lowers the leaves' concatenation to a copy into a new buffer (its CPU ``cat``
+never fuses into the consumer), and a write into a slice of a graph input becomes, after
+functionalization, one masked pass over the whole state per leaf. So the
 step hands the update to a custom op, which the traced graph keeps whole:
 ``fzero::update_leaves`` (``donate=True``) mutates the master, the transform's ``[S]`` state and
 the params' flat buffer; ``fzero::updated_leaves`` (the pure step) returns new ones, each
@@ -42,7 +44,7 @@ try:  # torch >= 2.5: a pass with a uuid keeps inductor's graph cache on
 except ImportError:  # pragma: no cover
     CustomGraphPass = object
 
-__all__ = ["LeafUpdate", "GROUP", "MIN_MEAN_NUMEL", "MIN_NUMEL", "worthwhile"]
+__all__ = ["LeafUpdate", "GROUP", "MIN_MEAN_NUMEL", "MIN_NUMEL", "NATIVE_MIN_NUMEL", "worthwhile", "native_runs"]
 
 GROUP = 16  # leaves per call of a compiled graph: compile time grows with it, per-call overhead shrinks
 # The mean elements per leaf from which a CPU runs the update leaf by leaf (``Engine._leafwise``):
@@ -59,12 +61,35 @@ MIN_MEAN_NUMEL = 2**16
 # 3.48x / 1.76x, FP16 2.61x / 1.61x, the first call 83-87 s / 18-24 s; 200 leaves of 1e5 (2e7
 # elements): 3.14x / 4.14x (docs/performance.md).
 MIN_NUMEL = 2**24
+# Where fzero's own CPU kernel runs the update (``native_runs``, donated: the pure update runs
+# inductor's loops, ``_run``), all the leaves are one call of it that reads each grad leaf where
+# it lies: no host time per leaf, so no mean size; what is left is the op's call, some 0.5 ms.
+# The elements from which it pays: an FP32 buffer of the shard above glibc's largest mmap
+# threshold (32 MiB), which the step's graph may then get as fresh pages every step.
+# ``benchmarks/leafwise.py`` (``fzero.models.gpt``, 76 leaves, widths 128-384), paired, leaf by
+# leaf / in the step's graph, two runs each: BF16 1.24-1.30 at 1.2e6 elements, 0.81-1.05 at
+# 4.8e6-7.5e6, 0.63-0.98 from 9.1e6; FP16 0.96-1.70 at 1.2e6, 0.67-1.12 at 2.7e6-7.5e6, 0.78-1.02
+# from 9.1e6 (docs/performance.md).
+NATIVE_MIN_NUMEL = 2**23
 
 
-def worthwhile(numel: int, leaves: int) -> bool:
+def worthwhile(numel: int, leaves: int, *, native: bool = False) -> bool:
     """Whether a CPU's compiled step runs the update of ``leaves`` leaves of ``numel`` elements in
-    all leaf by leaf (``Engine._leafwise`` adds what the path needs of the engine)."""
+    all leaf by leaf (``Engine._leafwise`` adds what the path needs of the engine); ``native``:
+    fzero's own CPU kernel runs it (``native_runs``)."""
+    if native:
+        return numel >= NATIVE_MIN_NUMEL
     return numel >= MIN_NUMEL and numel >= MIN_MEAN_NUMEL * leaves
+
+
+def native_runs(tx, tx_state: Any, numel: int, param_dtype: torch.dtype) -> bool:
+    """Whether fzero's own CPU kernel runs the leaf-by-leaf update of ``tx`` (as it runs on the
+    shard) on ``tx_state`` of ``[numel]`` tensors for params and grads of ``param_dtype``:
+    ``fzero.update.native_fused`` asked once, before the first step, with a grad of that dtype
+    (it decides from the transform and the state's dtypes and shapes, not from values)."""
+    probe = [torch.zeros(1, dtype=param_dtype)]
+    skip, norm = torch.zeros((), dtype=torch.bool), torch.ones((), dtype=torch.float64)
+    return native_fused(tx, tx_state, probe, numel, skip, norm, param_dtype) is not None
 
 
 _UPDATES: "weakref.WeakValueDictionary[int, LeafUpdate]" = weakref.WeakValueDictionary()

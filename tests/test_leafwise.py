@@ -196,14 +196,15 @@ def test_small_leaves_or_a_small_model_keep_the_update_in_the_steps_graph(monkey
     # the engine asks with the model's elements and leaves (not the padded layout's), at its first
     # compiled step, and keeps the update in the step's graph when told no
     asked = []
-    monkeypatch.setattr(fzero.leafwise, "worthwhile", lambda numel, leaves: asked.append((numel, leaves)) or False)
+    monkeypatch.setattr(fzero.leafwise, "worthwhile",
+                        lambda numel, leaves, native: asked.append((numel, leaves, native)) or False)
     grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
     engine = engine_for(torch.float16)
     params, state, ss = engine.init(p0)
     torch._dynamo.reset()
     counters.clear()
     torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
-    assert set(asked) == {(55, 4)} and engine._compiled_update.leaves is None
+    assert set(asked) == {(55, 4, False)} and engine._compiled_update.leaves is None
     assert counters["stats"]["unique_graphs"] == 1
 
 

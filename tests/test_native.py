@@ -25,6 +25,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 def leaf_by_leaf_at_any_size(monkeypatch):
     monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", 0)
     monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", 0)
+    monkeypatch.setattr(fzero.leafwise, "NATIVE_MIN_NUMEL", 0)
 
 
 def counted(monkeypatch) -> list:
@@ -166,6 +167,25 @@ def test_a_transform_it_cannot_run_never_calls_it(monkeypatch, leaf_by_leaf_at_a
         for g in seq:
             flat, state, ss, _ = step(flat, fzero.flatten(g, engine.layout), state, ss)
     assert calls == []
+
+
+def test_where_it_runs_the_update_the_models_size_alone_picks_leaf_by_leaf(monkeypatch):
+    """Where the kernel runs the update (``leafwise.native_runs``: AdamW with FP32 moments, no
+    clipping), the compiled step from a grads pytree runs it leaf by leaf from
+    ``NATIVE_MIN_NUMEL`` elements however small the leaves (the 4 leaves here hold 14 on
+    average, far below ``MIN_MEAN_NUMEL``), donated; a transform it declines, and the pure step
+    (whose update leaf by leaf runs inductor's loops), keep to those loops' bounds and stay in
+    the step's graph."""
+    p0 = odd_params()  # 55 elements in 4 leaves
+    adamw = transforms.adamw(lr=1e-2)
+    clipped = transforms.chain(transforms.clip_by_global_norm(1.0), transforms.adamw(lr=1e-2))
+    for tx, donate, native_min, leaf_by_leaf in ((adamw, True, 55, True), (adamw, True, 56, False),
+                                                 (clipped, True, 0, False), (adamw, False, 0, False)):
+        monkeypatch.setattr(fzero.leafwise, "NATIVE_MIN_NUMEL", native_min)
+        engine = fzero.zero1(tx, param_dtype=torch.bfloat16, loss_scale=None, donate=donate)
+        engine.init(p0)
+        assert (engine._compiled_update.leaves is not None) == leaf_by_leaf, (tx, native_min)
+    assert fzero.leafwise.MIN_MEAN_NUMEL * 4 > 55
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
