@@ -92,6 +92,12 @@ def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> 
                              for _ in range(rounds))
 
 
+def leaf_by_leaf(engine) -> bool:
+    """Whether ``engine`` (after ``init``) runs the compiled update from a grads pytree leaf by
+    leaf (``fzero.leafwise``; ``Engine._leafwise`` decides at ``init``)."""
+    return engine._compiled_update.leaves is not None
+
+
 def hardware(device: torch.device) -> str:
     """The device the numbers come from: a GPU's name, or the CPU's model (Linux's
     ``/proc/cpuinfo``), the vector instructions torch's kernels use on it and the threads."""

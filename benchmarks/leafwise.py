@@ -27,15 +27,13 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import GPT_CONFIGS, hardware, table  # noqa: E402
+from common import GPT_CONFIGS, hardware, leaf_by_leaf, table  # noqa: E402
 import fzero  # noqa: E402
 import fzero.leafwise  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 PATHS = {"graph": False, "leaves": True}  # in the step's graph, leaf by leaf: what _leafwise is told
 
 
@@ -52,11 +50,6 @@ def engine_on(path: str | None, dtype: torch.dtype, params):
     with forced:
         carry = engine.init(params)
     return engine, carry
-
-
-def leaf_by_leaf(engine) -> bool:
-    """Whether ``engine``'s compiled step from a grads pytree runs its update leaf by leaf."""
-    return engine._compiled_update.leaves is not None
 
 
 def measure(width: int, dtype: torch.dtype, args) -> dict:

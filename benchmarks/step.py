@@ -51,16 +51,8 @@ import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.transforms import scalar  # noqa: E402
 from fzero.models import gpt  # noqa: E402
-from common import (GPT_CONFIGS, classic_step, fresh_mib, fresh_pages, hardware, median_time, paired_ratio,  # noqa: E402
-                    profile_table, table)
-
-
-def runs_leaf_by_leaf(tx, dtype: torch.dtype, params) -> bool:
-    """Whether an engine of ``tx`` with ``donate=True`` runs the compiled update from a grads
-    pytree of ``params`` leaf by leaf (``fzero.leafwise``): it decides at ``init``."""
-    engine = fzero.zero1(tx, param_dtype=dtype, donate=True)
-    engine.init(params)
-    return engine._compiled_update.leaves is not None
+from common import (GPT_CONFIGS, classic_step, fresh_mib, fresh_pages, hardware, leaf_by_leaf,  # noqa: E402
+                    median_time, paired_ratio, profile_table, table)
 
 
 def gpt_leaf_sizes(config) -> list[int]:
@@ -222,15 +214,18 @@ def main(argv=None):
     # On a CPU the compiled update from the pytree runs leaf by leaf for enough elements (in large
     # enough leaves, unless fzero's own kernel runs it), else in the step's graph: what the
     # engine chose at init (fzero.leafwise.worthwhile); the other path too.
-    leaf_by_leaf = dev.type == "cpu" and runs_leaf_by_leaf(transforms.adamw(lr=1e-4), dtype, params32)
-    other = "in the step's graph" if leaf_by_leaf else "leaf by leaf"
+    runs_leaves = False
     if dev.type == "cpu":
+        probe = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=True)
+        probe.init(params32)
+        runs_leaves = leaf_by_leaf(probe)
+        other = "in the step's graph" if runs_leaves else "leaf by leaf"
         fzero_rows.append((f"fzero compiled, update {other}", "other path", True, False, True))
     for label, key, compiled, flat_grads, donate in fzero_rows:
         if compiled and not args.compile:
             continue
         engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate)
-        other_path = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves, native: not leaf_by_leaf)
+        other_path = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves, native: not runs_leaves)
                       if key == "other path" else contextlib.nullcontext())
         with other_path:  # the engine chooses at init
             carry = list(engine.init(params32))  # params, state, scaler_state

@@ -322,9 +322,9 @@ class Engine:
         What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
         fuses, and new shard-sized buffers, fresh pages from the OS every step); what it costs is
         host time per leaf, which small leaves or a small model do not repay (the measurements
-        behind ``leafwise.MIN_MEAN_NUMEL``, ``MIN_NUMEL`` and ``NATIVE_MIN_NUMEL``), nor a GPU's kernels hide at a
-        model's size (GPT-2 small's whole update is about 1 ms of an H200's bandwidth;
-        docs/performance.md)."""
+        behind ``leafwise.MIN_MEAN_NUMEL``, ``MIN_NUMEL`` and ``NATIVE_MIN_NUMEL``), nor a GPU's
+        kernels hide at a model's size (GPT-2 small's whole update is about 1 ms of an H200's
+        bandwidth; docs/performance.md)."""
         layout = b.grads.layout
         S = layout.shard_numel
         return (device.type == "cpu" and leafwise.worthwhile(layout.numel, len(layout.shapes), native=native)

@@ -6,7 +6,8 @@ import torch
 import fzero.leafwise
 from fzero import native
 from helpers import odd_params
-from leafwise import PATHS, engine_on, leaf_by_leaf
+from common import leaf_by_leaf
+from leafwise import PATHS, engine_on
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
