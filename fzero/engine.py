@@ -155,7 +155,7 @@ class Engine:
                 self._shard_tx, state.tx_state, layout.shard_numel, self.param_dtype)
             if self._leafwise(bound, device, native=native_leaves):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
-                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype, native=use_native)
+                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype)
                 self._compiled_update = self._compiled_update._replace(leaves=leaves)
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "

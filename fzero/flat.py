@@ -43,6 +43,7 @@ __all__ = [
     "concat",
     "per_leaf_shard",
     "flat_buffer",
+    "check_in_buffer",
 ]
 
 DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
@@ -294,6 +295,22 @@ def leaf_views(flat: torch.Tensor, layout: Layout, grads_into: torch.Tensor | No
     sizes, where = layout.split_sizes
     parts = torch.split(flat, sizes) if grads_into is None else _SplitGradsInto.apply(flat, grads_into, sizes)
     return [parts[k].view(s) for k, s in zip(where, layout.shapes)]
+
+
+def check_in_buffer(buffer: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> None:
+    """Raise ``ValueError`` unless ``buffer`` lies within its storage and each of ``leaves`` is a
+    contiguous view of that storage starting ``offsets[i]`` elements into ``buffer`` (eager:
+    reads storages and data pointers, which a traced step cannot)."""
+    storage, size = buffer.untyped_storage(), buffer.element_size()
+    if buffer.data_ptr() + buffer.numel() * size > storage.data_ptr() + storage.nbytes():
+        raise ValueError(f"params are not views of one flat buffer of {buffer.numel()} elements starting where its "
+                         "memory starts: pass the params init/step returned (compiled with donate=True, the step "
+                         "casts into their buffer)")
+    for i, (x, o) in enumerate(zip(leaves, offsets)):
+        if (not x.is_contiguous() or x.untyped_storage().data_ptr() != storage.data_ptr()
+                or x.data_ptr() != buffer.data_ptr() + o * size):
+            raise ValueError(f"params leaf {i} is not at its offset {o} in the params' flat buffer: pass the params "
+                             "init/step returned (compiled with donate=True, the step casts into their buffer)")
 
 
 def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_into: torch.Tensor | None = None) -> Any:

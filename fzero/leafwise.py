@@ -4,12 +4,14 @@ Compiled from a grads pytree at world size 1 on a CPU, for ``MIN_NUMEL`` element
 leaves of ``MIN_MEAN_NUMEL`` or more on average (``worthwhile``: the host time per leaf this
 takes would not be repaid by small leaves or a small model, nor hidden by a GPU's kernels), or
 for ``NATIVE_MIN_NUMEL`` elements whatever the leaves where fzero's own CPU kernel runs the
-donated update (one call over all the leaves: ``native_runs``), the update reads each grad
-leaf and writes each leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a
-CPU: inductor lowers the leaves' concatenation to a copy into a new buffer (its CPU ``cat``
-never fuses into the consumer), and a write into a slice of a graph input becomes, after
-functionalization, one masked pass over the whole state per leaf. So the
-step hands the update to a custom op, which the traced graph keeps whole:
+donated update (``native_runs``: the step then calls it as on the flat buffer, one call over the
+grad leaves as they lie, ``fzero.update.native_update``; this module's op is the other
+transforms' path and the pure step's), the update reads each grad leaf and writes each leaf's
+slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers the
+leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never fuses into the
+consumer), and a write into a slice of a graph input becomes, after functionalization, one
+masked pass over the whole state per leaf. So the step hands the update to a custom op, which
+the traced graph keeps whole:
 ``fzero::update_leaves`` (``donate=True``) mutates the master, the transform's ``[S]`` state and
 the params' flat buffer; ``fzero::updated_leaves`` (the pure step) returns new ones, each
 written once. Its body cuts each leaf's slices outside any graph and passes them, each an input
@@ -35,7 +37,7 @@ import optree
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from . import native
+from .flat import check_in_buffer
 from .grads import Segments
 from .update import _own_compile, _update_into, native_fused
 
@@ -61,15 +63,16 @@ MIN_MEAN_NUMEL = 2**16
 # 3.48x / 1.76x, FP16 2.61x / 1.61x, the first call 83-87 s / 18-24 s; 200 leaves of 1e5 (2e7
 # elements): 3.14x / 4.14x (docs/performance.md).
 MIN_NUMEL = 2**24
-# Where fzero's own CPU kernel runs the update (``native_runs``, donated: the pure update runs
-# inductor's loops, ``_run``), all the leaves are one call of it that reads each grad leaf where
-# it lies: no host time per leaf, so no mean size; what is left is the op's call, some 0.5 ms.
-# The elements from which it pays: an FP32 buffer of the shard above glibc's largest mmap
-# threshold (32 MiB), which the step's graph may then get as fresh pages every step.
+# Where fzero's own CPU kernel runs the update (``native_runs``, donated: the pure step runs
+# inductor's loops), the step calls it once over all the grad leaves where they lie
+# (``fzero.update.native_update``): no host time per leaf, so no mean size; what is left is the
+# step's own work per leaf (its checks, the norm's loop per leaf). The elements from which it
+# pays: an FP32 buffer of the shard above glibc's largest mmap threshold (32 MiB), which the
+# step's graph may then get as fresh pages every step.
 # ``benchmarks/leafwise.py`` (``fzero.models.gpt``, 76 leaves, widths 128-384), paired, leaf by
-# leaf / in the step's graph, two runs each: BF16 1.24-1.30 at 1.2e6 elements, 0.81-1.05 at
-# 4.8e6-7.5e6, 0.63-0.98 from 9.1e6; FP16 0.96-1.70 at 1.2e6, 0.67-1.12 at 2.7e6-7.5e6, 0.78-1.02
-# from 9.1e6 (docs/performance.md).
+# leaf / in the step's graph: BF16 0.89-0.99 at 1.2e6-4.8e6 elements, 0.44-0.89 from 7.5e6; FP16
+# 0.77-0.95 and 0.62-0.92 (docs/performance.md, with the runs of the kernel called from this
+# module's op, which it took more elements to repay).
 NATIVE_MIN_NUMEL = 2**23
 
 
@@ -83,7 +86,7 @@ def worthwhile(numel: int, leaves: int, *, native: bool = False) -> bool:
 
 
 def native_runs(tx, tx_state: Any, numel: int, param_dtype: torch.dtype) -> bool:
-    """Whether fzero's own CPU kernel runs the leaf-by-leaf update of ``tx`` (as it runs on the
+    """Whether fzero's own CPU kernel runs the update of ``tx`` leaf by leaf (as it runs on the
     shard) on ``tx_state`` of ``[numel]`` tensors for params and grads of ``param_dtype``:
     ``fzero.update.native_fused`` asked once, before the first step, with a grad of that dtype
     (it decides from the transform and the state's dtypes and shapes, not from values)."""
@@ -102,9 +105,8 @@ class LeafUpdate:
     ``spec`` with ``sized[i]`` whether leaf ``i`` is an ``[S]`` tensor (else 0-d), the
     ``param_dtype``, and the graph compiled for them (at the first step)."""
 
-    def __init__(self, tx, spec: optree.PyTreeSpec, sized: tuple[bool, ...], param_dtype: torch.dtype, *,
-                 native: bool = False):
-        self.tx, self.spec, self.sized, self.param_dtype, self.native = tx, spec, sized, param_dtype, native
+    def __init__(self, tx, spec: optree.PyTreeSpec, sized: tuple[bool, ...], param_dtype: torch.dtype):
+        self.tx, self.spec, self.sized, self.param_dtype = tx, spec, sized, param_dtype
         self._compiled: dict[tuple, Any] = {}
         self._dispatch: tuple | None = None
         self.key = next(_KEYS)
@@ -236,12 +238,6 @@ def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, nor
         sized, scalar = iter(sized), iter(scalars)
         return u.spec.unflatten([next(sized)[lo:hi] if s else next(scalar) for s in u.sized])
 
-    # In place only: into new tensors (fresh pages on a CPU) the kernel measured 1.15x inductor's
-    # loops (docs/performance.md)
-    if u.native and into is None:
-        new_scalars = _native(u, tree(state, 0, master.numel()), master, state, pieces, mean_factor, skip, norm, params)
-        if new_scalars is not None:
-            return new_scalars
     new_scalars = []
     # The norm as a [1] tensor: dynamo traces a 0-d float64 CPU input as a symbolic float, guarded
     # on not being NaN, and the first step with a NaN grad (its norm NaN) compiled every graph again.
@@ -260,18 +256,6 @@ def _run(key: int, master, state, scalars, grads, starts, mean_factor, skip, nor
     return new_scalars
 
 
-def _native(u: LeafUpdate, tx_state: Any, master, state, pieces, mean_factor, skip, norm, params) -> list | None:
-    """``_run``'s update in place with fzero's own CPU kernel (``fzero.native``), where
-    ``fzero.update.native_fused`` allows it: one pass over the pieces as they lie. Returns the
-    new 0-d leaves, or ``None`` (nothing written) where it does not apply."""
-    grads = [g for _, g in pieces]
-    fused = native_fused(u.tx, tx_state, grads, master.numel(), skip, norm, u.param_dtype)
-    if fused is None:
-        return None
-    native.adamw_update(grads, [lo for lo, _ in pieces], fused.adamw(), mean_factor, skip, master, *state, params)
-    return [x for x in optree.tree_leaves(fused.state) if not x.ndim]
-
-
 def _groups(pieces: list) -> list[tuple[tuple, list]]:
     """``pieces`` (``(start, 1-D grad)``) in groups of at most ``GROUP`` of one kind, in memory
     order within a kind, each as ``(kind, group)``: ``kind`` = (the group's length, its grads'
@@ -283,22 +267,6 @@ def _groups(pieces: list) -> list[tuple[tuple, list]]:
         kinds.setdefault((g.dtype, g.numel() == 1), []).append((lo, g))
     return [((len(run[i:i + GROUP]), *k), run[i:i + GROUP]) for k, run in kinds.items()
             for i in range(0, len(run), GROUP)]
-
-
-def check_in_buffer(buffer: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> None:
-    """Raise ``ValueError`` unless ``buffer`` lies within its storage and each of ``leaves`` is a
-    contiguous view of that storage starting ``offsets[i]`` elements into ``buffer`` (eager:
-    reads storages and data pointers, which a traced step cannot)."""
-    storage, size = buffer.untyped_storage(), buffer.element_size()
-    if buffer.data_ptr() + buffer.numel() * size > storage.data_ptr() + storage.nbytes():
-        raise ValueError(f"params are not views of one flat buffer of {buffer.numel()} elements starting where its "
-                         "memory starts: pass the params init/step returned (compiled with donate=True, the step "
-                         "casts into their buffer)")
-    for i, (x, o) in enumerate(zip(leaves, offsets)):
-        if (not x.is_contiguous() or x.untyped_storage().data_ptr() != storage.data_ptr()
-                or x.data_ptr() != buffer.data_ptr() + o * size):
-            raise ValueError(f"params leaf {i} is not at its offset {o} in the params' flat buffer: pass the params "
-                             "init/step returned (compiled with donate=True, the step casts into their buffer)")
 
 
 @torch.library.custom_op("fzero::update_leaves", mutates_args=("master", "state", "params", "new_scalars"))

@@ -42,9 +42,10 @@ class StepMode:
     leaves large enough and a transform and master storage that allow it (the engine's
     ``_leafwise``, ``fzero.leafwise``): the update runs leaf by leaf in one opaque op, reading
     the grads as ``Segments`` (the leaves as they are); donated, it casts into the params' own
-    buffer. ``native``: at world size 1, compiled on the flat buffer and donated, or eager with a
-    fused form, where the engine has fzero's own CPU kernel (``fzero.native``): the update may run
-    it (``fzero.update.native_fused`` decides from the transform and the grads). ``native_norm``:
+    buffer. ``native``: at world size 1, compiled and donated on the flat buffer or leaf by leaf,
+    or eager with a fused form, where the engine has fzero's own CPU kernel (``fzero.native``):
+    the update may run it (``fzero.update.native_fused`` decides from the transform and the
+    grads; leaf by leaf, it reads the grad leaves where they lie). ``native_norm``:
     eager, the grads on a CPU: the sum of squares runs that kernel where it can be built."""
 
     compiled: bool
@@ -67,10 +68,10 @@ class StepMode:
         compiled = compiling()
         fused = has_fused and not compiled
         leafwise = compiled and not flat_in and world_size == 1 and leafwise
-        # fzero's CPU kernel, at world size 1, where the update is the whole buffer: compiled on the
-        # flat buffer, donated (in place; into new tensors inductor's loops are faster); eager, the
-        # fused step, donated or pure (on copies)
-        native = native and world_size == 1 and ((compiled and flat_in and donate) or fused)
+        # fzero's CPU kernel, at world size 1, where the update is the whole buffer: compiled and
+        # donated, on the flat buffer or leaf by leaf (in place; into new tensors inductor's loops
+        # are faster); eager, the fused step, donated or pure (on copies)
+        native = native and world_size == 1 and ((compiled and donate and (flat_in or leafwise)) or fused)
         return cls(
             compiled=compiled,
             fused=fused,

@@ -42,6 +42,8 @@ import warnings
 
 import torch
 
+from .flat import check_in_buffer
+
 __all__ = ["available", "adamw_update", "sum_of_squares", "COEFFICIENTS"]
 
 # The 0-d FP32 values ``adamw_update`` takes, in this order (``transforms.adam.AdamWCoefficients``).
@@ -106,13 +108,20 @@ def adamw_update(grads: list[torch.Tensor], starts: list[int], coefficients: tor
 @torch.library.custom_op("fzero::adamw_update_", mutates_args=("master", "m", "v", "params"))
 def _adamw_update_op(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor,
                      mean_factor: torch.Tensor, skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor,
-                     v: torch.Tensor, params: torch.Tensor, cast_on_skip: bool) -> None:
-    """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``)."""
+                     v: torch.Tensor, params: torch.Tensor, param_leaves: list[torch.Tensor], offsets: list[int],
+                     cast_on_skip: bool) -> None:
+    """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``).
+    ``param_leaves`` (compiled from a grads pytree; else empty): the param leaves, which must be
+    views of ``params`` (there ``[S, 1]``, ``stages.cast_target``) at ``offsets``, checked before
+    anything is written (``fzero.flat.check_in_buffer``)."""
+    params = params.view(-1)
+    if param_leaves:
+        check_in_buffer(params, param_leaves, offsets)
     adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip=cast_on_skip)
 
 
 @_adamw_update_op.register_fake
-def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip):
+def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params, param_leaves, offsets, cast_on_skip):
     return None
 
 

@@ -117,7 +117,7 @@ def cast_target(params: Any, layout: Layout, mode: StepMode) -> torch.Tensor | t
     cannot be read): ``(buffer, leaves, offsets)``, the buffer the params init and step return
     are views of (at the layout's offsets) as the ``[padded_numel, 1]`` view of the first leaf's
     memory from its start, with the leaves and those offsets; the update checks them, eagerly,
-    before it writes (``fzero.leafwise.check_in_buffer``). 2-D: functionalization would take a
+    before it writes (``fzero.flat.check_in_buffer``). 2-D: functionalization would take a
     1-D view of that shape for a slice of a 1-D first leaf, and regenerate it clamped to it."""
     if not mode.cast_into_params:
         return None

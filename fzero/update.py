@@ -393,9 +393,10 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
                   donate, out, compiled=None):
     """The update at world size 1 with fzero's own CPU kernel (``fzero.native``) for AdamW on
     FP32 moments (``fused.adamw``; ``native_fused`` decides): one pass that reads the FP16 or
-    BF16 grads where they lie (the flat buffer, or eager the grad leaves), updates master and
+    BF16 grads where they lie (the flat buffer, or the grad leaves), updates master and
     moments in place and casts the params into ``out``, their own buffer (``donate``; a skipped
-    step writes nothing: the params are the master's cast already). Pure (eager): the same on
+    step writes nothing: the params are the master's cast already; compiled from a grads pytree,
+    ``(buffer, leaves, offsets)``, see ``stages.cast_target``). Pure (eager): the same on
     copies of master and moments, the params into a new buffer (a skipped step: the master's
     cast). The same bits as ``generic_whole`` compiled."""
     # ``fused.state`` is the new state, its moments the tensors the kernel writes: one traversal
@@ -407,9 +408,12 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
         out = torch.empty(master.shape, dtype=param_dtype, device=master.device)
         copies = iter(sized)
         new_state = optree.tree_map(lambda x: next(copies) if x.ndim else x, new_state)
+    # leaf by leaf, ``out`` is (buffer, leaves, offsets) (``stages.cast_target``): the op checks
+    # the leaves are views of that buffer before it writes
+    out, leaves, offsets = out if isinstance(out, tuple) else (out, [], [])
     g = grads.segments()
     torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, *sized,
-                                  out, not donate)
+                                  out, list(leaves), list(offsets), not donate)
     return master, new_state, out
 
 
@@ -453,14 +457,15 @@ def choose(mode: StepMode, tx, tx_state, grads: ShardGrads, skip, norm, numel: i
     ``TorchDispatchMode`` is active (a counter or a debug mode sees the eager ops). A transform
     that ``needs_context`` takes the whole shard: ``generic_whole``, or on such a CPU shard
     ``compiled_whole``. Before all of these, with ``mode.native``: ``native_update`` where
-    ``native_fused`` allows it (``param_dtype``: the params')."""
-    if mode.leafwise:
-        return compiled_leaves, None
+    ``native_fused`` allows it (``param_dtype``: the params'), then with ``mode.leafwise``
+    ``compiled_leaves``."""
     if mode.native:
         g = grads.segments()
         fused = native_fused(tx, tx_state, g.parts, g.numel, skip, norm, param_dtype)
         if fused is not None:
             return native_update, fused
+    if mode.leafwise:
+        return compiled_leaves, None
     # eager on a large CPU shard, outside a dispatch mode (torch.compile does not run under one)
     compile_it = (mode.chunk is not None and not mode.compiled and numel >= COMPILE_NUMEL
                   and _get_current_dispatch_mode() is None)

@@ -118,8 +118,8 @@ def test_step_mode_decides_each_mode_once():
     assert compiled.compiled and not compiled.fused and compiled.chunk is None
     assert not compiled.write_params and not compiled.own_buffer  # FP16 pytree leaves: a new buffer
     # compiled from a pytree at world size 1, where the engine allows it: cast leaf by leaf into
-    # the params' own buffer
-    assert compiled.leafwise and compiled.cast_into_params and not m.leafwise
+    # the params' own buffer, by the kernel where it runs the update (``choose`` asks it first)
+    assert compiled.leafwise and compiled.cast_into_params and compiled.native and not m.leafwise
     plain = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False,
                                                         **{**kw, "leafwise": False})),
                           fullgraph=True, backend="eager")(torch.zeros(1))[1]
