@@ -108,21 +108,31 @@ def adamw_update(grads: list[torch.Tensor], starts: list[int], coefficients: tor
 @torch.library.custom_op("fzero::adamw_update_", mutates_args=("master", "m", "v", "params"))
 def _adamw_update_op(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor,
                      mean_factor: torch.Tensor, skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor,
-                     v: torch.Tensor, params: torch.Tensor, param_leaves: list[torch.Tensor], offsets: list[int],
-                     cast_on_skip: bool) -> None:
-    """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``).
-    ``param_leaves`` (compiled from a grads pytree; else empty): the param leaves, which must be
-    views of ``params`` (there ``[S, 1]``, ``stages.cast_target``) at ``offsets``, checked before
-    anything is written (``fzero.flat.check_in_buffer``)."""
-    params = params.view(-1)
-    if param_leaves:
-        check_in_buffer(params, param_leaves, offsets)
-    adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip=cast_on_skip)
+                     v: torch.Tensor, params: torch.Tensor, cast_on_skip: bool) -> None:
+    """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``;
+    ``params`` 1-D, or ``[S, 1]`` compiled from a grads pytree, ``stages.cast_target``)."""
+    adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params.view(-1),
+                 cast_on_skip=cast_on_skip)
 
 
 @_adamw_update_op.register_fake
-def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params, param_leaves, offsets, cast_on_skip):
+def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip):
     return None
+
+
+@torch.library.custom_op("fzero::views_checked", mutates_args=())
+def views_checked(buffer: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
+    """A 0-d ``False`` once ``leaves`` are checked to be views of ``buffer`` (``[S, 1]``,
+    ``stages.cast_target``) at ``offsets`` (``fzero.flat.check_in_buffer``, which raises). A
+    traced step ORs it into its skip flag, so that everything the step writes (the kernel's
+    update, the state's new counts) depends on it and runs after the check."""
+    check_in_buffer(buffer.view(-1), leaves, offsets)
+    return torch.zeros((), dtype=torch.bool, device=buffer.device)
+
+
+@views_checked.register_fake
+def _(buffer, leaves, offsets):
+    return torch.empty((), dtype=torch.bool, device=buffer.device)
 
 
 def sum_of_squares(pieces: list[torch.Tensor], row: int, *, wide: bool) -> torch.Tensor:

@@ -70,6 +70,10 @@ def update(tx, checked: Checked, master: torch.Tensor, tx_state: Any, *, param_d
     buffer to cast into (``mode.cast_into_params``), else ``None``; ``compiled``: the engine's
     ``fzero.update.compiled_update()``, for a compiled variant."""
     skip, norm = checked.skip.to(mode.state_device), checked.norm.to(mode.state_device)
+    if mode.native and isinstance(out, tuple):
+        # leaf by leaf, the kernel would cast into the params' buffer: the leaves are checked to be
+        # views of it first, and everything the step writes depends on ``skip``, so comes after
+        skip = skip | torch.ops.fzero.views_checked(*out)
     variant, fused = choose(mode, tx, tx_state, checked.grads, skip, norm, master.numel(), param_dtype=param_dtype)
     return variant(tx, fused, checked.grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=mode.chunk,
                    donate=mode.donate, out=out, compiled=compiled)

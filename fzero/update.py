@@ -396,7 +396,7 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
     BF16 grads where they lie (the flat buffer, or the grad leaves), updates master and
     moments in place and casts the params into ``out``, their own buffer (``donate``; a skipped
     step writes nothing: the params are the master's cast already; compiled from a grads pytree,
-    ``(buffer, leaves, offsets)``, see ``stages.cast_target``). Pure (eager): the same on
+    their buffer as ``[S, 1]``, checked by ``stages.update``). Pure (eager): the same on
     copies of master and moments, the params into a new buffer (a skipped step: the master's
     cast). The same bits as ``generic_whole`` compiled."""
     # ``fused.state`` is the new state, its moments the tensors the kernel writes: one traversal
@@ -408,12 +408,10 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
         out = torch.empty(master.shape, dtype=param_dtype, device=master.device)
         copies = iter(sized)
         new_state = optree.tree_map(lambda x: next(copies) if x.ndim else x, new_state)
-    # leaf by leaf, ``out`` is (buffer, leaves, offsets) (``stages.cast_target``): the op checks
-    # the leaves are views of that buffer before it writes
-    out, leaves, offsets = out if isinstance(out, tuple) else (out, [], [])
+    out = out[0] if isinstance(out, tuple) else out  # leaf by leaf: (buffer, leaves, offsets), checked by then
     g = grads.segments()
     torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, *sized,
-                                  out, list(leaves), list(offsets), not donate)
+                                  out, not donate)
     return master, new_state, out
 
 

@@ -188,6 +188,24 @@ def test_where_it_runs_the_update_the_models_size_alone_picks_leaf_by_leaf(monke
     assert fzero.leafwise.MIN_MEAN_NUMEL * 4 > 55
 
 
+def test_leaf_by_leaf_params_outside_their_buffer_raise_before_the_kernel_writes(leaf_by_leaf_at_any_size):
+    """Compiled from a grads pytree, the kernel casts into the params' own buffer: params that are
+    not views of it (each leaf its own memory) raise a clear error, and master and moments keep
+    every bit; the engine's params then step."""
+    p0 = odd_params()
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.bfloat16, loss_scale=None, donate=True)
+    params, state, ss = engine.init(p0)
+    grads = optree.tree_map(lambda x: x.bfloat16(), grads_like(p0, 0))
+    torch._dynamo.reset()
+    step = torch.compile(engine.step, fullgraph=True)
+    before = optree.tree_map(lambda x: x.clone(), state)
+    with pytest.raises(ValueError, match="params are not views of one flat buffer"):
+        step(optree.tree_map(lambda x: x.clone(), params), grads, state, ss)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(before)))
+    step(params, grads, state, ss)
+    assert not torch.equal(state.master, before.master)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_sum_of_squares_is_the_float64_sum_on_any_number_of_threads(dtype):
     """The kernel's sum of squares of pieces with partial rows (tails that fill no row) and
