@@ -83,6 +83,7 @@ class Engine:
         self._context: ShardView | None = None
         self._compiled_update = compiled_update()  # the eager step's compiled update, if it is chosen
         self._native_norm = False  # the eager norm may run fzero's own CPU kernel (``fzero.native``; set at init)
+        self._native_leaves = False  # the kernel runs the compiled update leaf by leaf (set at init)
 
     @property
     def layout(self) -> Layout | None:
@@ -151,9 +152,9 @@ class Engine:
             # and for the eager norm of CPU grads (built at its first call, if not already)
             self._native_norm = device.type == "cpu"
             # (donated only: the pure step's update leaf by leaf runs inductor's loops, see fzero.leafwise)
-            native_leaves = self.donate and use_native and leafwise.native_runs(
+            self._native_leaves = self.donate and use_native and leafwise.native_runs(
                 self._shard_tx, state.tx_state, layout.shard_numel, self.param_dtype)
-            if self._leafwise(bound, device, native=native_leaves):
+            if self._leafwise(bound, device, native=self._native_leaves):
                 sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
                 leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype)
                 self._compiled_update = self._compiled_update._replace(leaves=leaves)
@@ -308,7 +309,8 @@ class Engine:
                                param_dtype=self.param_dtype, world_size=self.comm.world_size,
                                state_device=b.state_device, flat_in=flat_in,
                                leafwise=self._compiled_update.leaves is not None,
-                               native=self._compiled_update.native, native_norm=self._native_norm)
+                               native=self._compiled_update.native, native_leaves=self._native_leaves,
+                               native_norm=self._native_norm)
         return self._checked(mode.compiled), mode
 
     def _leafwise(self, b: Binding, device: torch.device, *, native: bool) -> bool:

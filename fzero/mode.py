@@ -45,7 +45,8 @@ class StepMode:
     buffer. ``native``: at world size 1, compiled and donated on the flat buffer or leaf by leaf,
     or eager with a fused form, where the engine has fzero's own CPU kernel (``fzero.native``):
     the update may run it (``fzero.update.native_fused`` decides from the transform and the
-    grads; leaf by leaf, it reads the grad leaves where they lie). ``native_norm``:
+    grads; leaf by leaf, where the engine found at ``init`` that it takes the transform,
+    ``native_leaves``, it reads the grad leaves where they lie). ``native_norm``:
     eager, the grads on a CPU: the sum of squares runs that kernel where it can be built."""
 
     compiled: bool
@@ -64,14 +65,15 @@ class StepMode:
     @classmethod
     def choose(cls, *, has_fused: bool, donate: bool, chunk_numel: int | None, param_dtype: torch.dtype,
                world_size: int, state_device: torch.device, flat_in: bool, leafwise: bool,
-               native: bool, native_norm: bool) -> "StepMode":
+               native: bool, native_leaves: bool, native_norm: bool) -> "StepMode":
         compiled = compiling()
         fused = has_fused and not compiled
         leafwise = compiled and not flat_in and world_size == 1 and leafwise
         # fzero's CPU kernel, at world size 1, where the update is the whole buffer: compiled and
         # donated, on the flat buffer or leaf by leaf (in place; into new tensors inductor's loops
         # are faster); eager, the fused step, donated or pure (on copies)
-        native = native and world_size == 1 and ((compiled and donate and (flat_in or leafwise)) or fused)
+        native = native and world_size == 1 and ((compiled and donate and (flat_in or leafwise and native_leaves))
+                                                 or fused)
         return cls(
             compiled=compiled,
             fused=fused,

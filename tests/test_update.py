@@ -106,7 +106,7 @@ def test_choose_compiles_the_chunks_for_bf16_or_8_bit_state_from_compile_numel_u
 
 def test_step_mode_decides_each_mode_once():
     kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"),
-              leafwise=True, native=True, native_norm=True)
+              leafwise=True, native=True, native_leaves=True, native_norm=True)
     m = StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)
     assert (m.compiled, m.fused, m.chunk, m.cast_into_params, m.write_params, m.own_buffer) == (False, True, 256, True, True, True)
     m = StepMode.choose(donate=True, world_size=2, flat_in=False, **kw)
@@ -124,6 +124,11 @@ def test_step_mode_decides_each_mode_once():
                                                         **{**kw, "leafwise": False})),
                           fullgraph=True, backend="eager")(torch.zeros(1))[1]
     assert not plain.leafwise and not plain.cast_into_params and not plain.native
+    # leaf by leaf where the kernel declines the transform (``native_leaves`` false at init): its loops
+    declined = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False,
+                                                           **{**kw, "native_leaves": False})),
+                             fullgraph=True, backend="eager")(torch.zeros(1))[1]
+    assert declined.leafwise and not declined.native
     # compiled on the flat buffer, donated, where the engine has fzero's CPU kernel: it casts into
     # the params' own buffer (at world size 1); compiled pure, no kernel; eager with a fused form,
     # donated or pure, the kernel; not at world size 2
