@@ -20,7 +20,8 @@ before any guarantee; not with ``--no-compile``); fzero eager and fzero compiled
 (``torch.compile(engine.step, fullgraph=True)``) from the grads pytree with ``donate=True`` and
 with the pure default, and compiled on the flat buffer (``engine.flat_params``: params and grads
 flat); world size 1, FP16 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no
-loss scale, for the fzero rows). The compiled step from the pytree runs its update leaf by leaf on a CPU where the model
+loss scale; ``--dtype fp32``: FP32 params that are their own master, for the fzero rows). The
+compiled step from the pytree runs its update leaf by leaf on a CPU where the model
 and its leaves are large enough (``fzero.leafwise.worthwhile``), else (and on a GPU) in the
 step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
 table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory a call touched for
@@ -61,6 +62,7 @@ def gpt_leaf_sizes(config) -> list[int]:
 
 
 IDEAL = "ideal mixed-precision step (one loop: AdamW only)"
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # --dtype: the fzero rows' params
 IDEAL_HYPER = {"lr": 1e-4, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "wd": 1e-2}  # ideal_update's, in its order
 
 
@@ -121,8 +123,10 @@ def main(argv=None):
                     "config (small: the main job's, 1.1e7 elements in 76 leaves, 50 of them biases and norm gains; "
                     "gpt2: GPT-2 small's shapes)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16",
-                    help="params and grads of the fzero rows: FP16 with a dynamic loss scale, or BF16 without")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp16",
+                    help="params and grads of the fzero rows: FP16 with a dynamic loss scale, or BF16 without, or FP32 "
+                    "(the params their own master, master='params', as the main job keeps them; no ideal row: fused "
+                    "AdamW is the ideal FP32 step)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=9, help="paired rounds of fzero (flat) vs torch fused")
@@ -196,8 +200,9 @@ def main(argv=None):
     measure("fresh outputs (new master, moments, params written once)", fresh_outputs)
     keep["fresh"] = fresh_outputs
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    if args.compile:  # a compiled loop, or it is not the ideal
+    dtype = DTYPES[args.dtype]
+    master = "params" if dtype == torch.float32 else "fp32"  # as the main job (examples/flags.py: default_master)
+    if args.compile and dtype != torch.float32:  # a compiled loop, or it is not the ideal
         keep["ideal"] = ideal_step(N, dtype, dev)
         measure(IDEAL, keep["ideal"])
 
@@ -216,7 +221,7 @@ def main(argv=None):
     # engine chose at init (fzero.leafwise.worthwhile); the other path too.
     runs_leaves = False
     if dev.type == "cpu":
-        probe = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=True)
+        probe = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=True, master=master)
         probe.init(params32)
         runs_leaves = leaf_by_leaf(probe)
         other = "in the step's graph" if runs_leaves else "leaf by leaf"
@@ -224,7 +229,7 @@ def main(argv=None):
     for label, key, compiled, flat_grads, donate in fzero_rows:
         if compiled and not args.compile:
             continue
-        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate)
+        engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate, master=master)
         other_path = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves, native: not runs_leaves)
                       if key == "other path" else contextlib.nullcontext())
         with other_path:  # the engine chooses at init

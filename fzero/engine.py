@@ -310,7 +310,8 @@ class Engine:
                                state_device=b.state_device, flat_in=flat_in,
                                leafwise=self._compiled_update.leaves is not None,
                                native=self._compiled_update.native, native_leaves=self._native_leaves,
-                               native_norm=self._native_norm)
+                               native_norm=self._native_norm,
+                               master_in_params=self.master == "params" and b.state_device == b.grads.device)
         return self._checked(mode.compiled), mode
 
     def _leafwise(self, b: Binding, device: torch.device, *, native: bool) -> bool:
@@ -318,7 +319,8 @@ class Engine:
         (``fzero.leafwise``): on a CPU, for a model and leaves large enough
         (``leafwise.worthwhile``; ``native``: fzero's own CPU kernel would run it, where the
         leaves' count costs nothing and the model's size alone decides), at world size 1, the
-        state where the params are, an FP32 master beside FP16 or BF16 params, a transform
+        state where the params are, an FP32 master beside FP16 or BF16 params (with the kernel
+        also FP32 params, beside their master or, ``master="params"``, as it), a transform
         elementwise on any slice (no blocks, no context) whose state is ``[S]`` and 0-d tensors.
 
         What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
@@ -331,7 +333,8 @@ class Engine:
         S = layout.shard_numel
         return (device.type == "cpu" and leafwise.worthwhile(layout.numel, len(layout.shapes), native=native)
                 and self.comm.world_size == 1 and b.state_device == device
-                and self.master == "fp32" and self.param_dtype != torch.float32 and self.tx.block == 1
+                and self.master != "remainder" and (native or self.master == "fp32" and self.param_dtype != torch.float32)
+                and self.tx.block == 1
                 and not self.tx.needs_context and all(shape in ((S,), ()) for _, shape, _ in b.tx_leaves))
 
     def _checked(self, compiled: bool) -> Binding:

@@ -358,7 +358,10 @@ def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:
 
 
 def shard_of(flat: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s ``[S]`` shard of a full flat buffer (a view when there is one bucket)."""
+    """Rank ``rank``'s ``[S]`` shard of a full flat buffer (a view when there is one bucket, and
+    at world size 1, where it is the whole buffer)."""
+    if layout.world_size == 1:
+        return flat
     parts = [flat[a:b] for a, b in layout.shard_ranges(rank)]
     return concat(parts)
 

@@ -47,7 +47,12 @@ class StepMode:
     the update may run it (``fzero.update.native_fused`` decides from the transform and the
     grads; leaf by leaf, where the engine found at ``init`` that it takes the transform,
     ``native_leaves``, it reads the grad leaves where they lie). ``native_norm``:
-    eager, the grads on a CPU: the sum of squares runs that kernel where it can be built."""
+    eager, the grads on a CPU: the sum of squares runs that kernel where it can be built; and
+    traced where the kernel runs the update leaf by leaf (one call over the grad leaves).
+    ``params_are_master``: FP32 params whose own shard is the master (``master="params"``, the
+    state where the params are: ``master_in_params``), and the update writes into their own
+    buffer (``cast_into_params``): it writes them as it writes the master, there is nothing to
+    cast."""
 
     compiled: bool
     fused: bool
@@ -61,11 +66,12 @@ class StepMode:
     leafwise: bool
     native: bool
     native_norm: bool
+    params_are_master: bool
 
     @classmethod
     def choose(cls, *, has_fused: bool, donate: bool, chunk_numel: int | None, param_dtype: torch.dtype,
                world_size: int, state_device: torch.device, flat_in: bool, leafwise: bool,
-               native: bool, native_leaves: bool, native_norm: bool) -> "StepMode":
+               native: bool, native_leaves: bool, native_norm: bool, master_in_params: bool) -> "StepMode":
         compiled = compiling()
         fused = has_fused and not compiled
         leafwise = compiled and not flat_in and world_size == 1 and leafwise
@@ -74,6 +80,7 @@ class StepMode:
         # are faster); eager, the fused step, donated or pure (on copies)
         native = native and world_size == 1 and ((compiled and donate and (flat_in or leafwise and native_leaves))
                                                  or fused)
+        cast_into_params = (fused or leafwise or native) and donate and world_size == 1
         return cls(
             compiled=compiled,
             fused=fused,
@@ -81,10 +88,13 @@ class StepMode:
             state_device=state_device,
             flat_in=flat_in,
             donate=donate,
-            cast_into_params=(fused or leafwise or native) and donate and world_size == 1,
+            cast_into_params=cast_into_params,
             write_params=donate and (flat_in or not compiled or param_dtype == torch.float32),
             own_buffer=flat_in or not compiled,
             leafwise=leafwise,
             native=native,
-            native_norm=native_norm and not compiled,
+            # traced, where the kernel runs the update leaf by leaf (``native_leaves``: the engine
+            # built it): one call over the grad leaves, not a reduction per leaf in the graph
+            native_norm=native_norm and (not compiled or native and leafwise),
+            params_are_master=master_in_params and cast_into_params,
         )

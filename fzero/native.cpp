@@ -63,14 +63,17 @@ inline void cast(const float* wf, uint16_t* p, int64_t n) {
   }
 }
 
-// One block of n <= BLOCK elements, in place. G: 0 zero grads (padding), 1 FP16, 2 BF16; P: 1 FP16
-// params, 2 BF16.
+// One block of n <= BLOCK elements, in place. G: the grads, 0 zeros (padding), 1 FP16, 2 BF16,
+// 3 FP32; P: the params, 0 none (FP32 params that are the master itself), 1 FP16, 2 BF16, 3 FP32
+// (the master's value: a cast to FP32 changes nothing, saturates nothing).
 template <int G, int P>
-inline void block(const uint16_t* g, float* w, float* m, float* v, uint16_t* p, int64_t n, const Coef& c) {
+inline void block(const void* g, float* w, float* m, float* v, void* p, int64_t n, const Coef& c) {
+  const uint16_t* h = static_cast<const uint16_t*>(g);
   float gf[BLOCK], wf[BLOCK];
-  if constexpr (G == 1) half_to_float(g, gf, n);
+  if constexpr (G == 1) half_to_float(h, gf, n);
   for (int64_t i = 0; i < n; ++i) {
-    float gi = G == 0 ? 0.0f : G == 1 ? gf[i] : bits_to_float(uint32_t(g[i]) << 16);
+    float gi = G == 0 ? 0.0f : G == 1 ? gf[i] : G == 2 ? bits_to_float(uint32_t(h[i]) << 16)
+                                                       : static_cast<const float*>(g)[i];
     gi = gi * c.mean;
     float mo = m[i], vo = v[i], wi = w[i];
     float mi = mo + c.w1 * (gi - mo);
@@ -78,65 +81,88 @@ inline void block(const uint16_t* g, float* w, float* m, float* v, uint16_t* p, 
     float u = (mi * c.step_size) / (std::sqrt(vi) * c.inv_bc2 + c.eps);
     wi = wi + c.neg_lr * (u + c.wd * wi);
     m[i] = mi; v[i] = vi; w[i] = wi;
-    wf[i] = saturate(wi, c.big);
+    if constexpr (P == 1 || P == 2) wf[i] = saturate(wi, c.big);
   }
-  cast<P>(wf, p, n);
+  // FP32 params copied after the loop, as the others are cast: a store through one more pointer
+  // the compiler cannot tell apart from the others kept the loop from its vector form
+  if constexpr (P == 1 || P == 2) cast<P>(wf, static_cast<uint16_t*>(p), n);
+  if constexpr (P == 3) std::memcpy(p, w, n * sizeof(float));
 }
 
 // The params of n <= BLOCK elements from the master as it is (a skipped step into new params).
 template <int P>
-inline void cast_block(const float* w, uint16_t* p, int64_t n, float big) {
-  float wf[BLOCK];
-  for (int64_t i = 0; i < n; ++i) wf[i] = saturate(w[i], big);
-  cast<P>(wf, p, n);
+inline void cast_block(const float* w, void* p, int64_t n, float big) {
+  if constexpr (P == 3) {
+    std::memcpy(p, w, n * sizeof(float));
+  } else {
+    float wf[BLOCK];
+    for (int64_t i = 0; i < n; ++i) wf[i] = saturate(w[i], big);
+    cast<P>(wf, static_cast<uint16_t*>(p), n);
+  }
 }
 
+// The element size of the grads (G) and params (P) above, in bytes.
+constexpr int64_t size_of(int k) { return k == 3 ? 4 : 2; }
+
 template <int G, int P>
-void run(const uint16_t* g, float* w, float* m, float* v, uint16_t* p, int64_t n, const Coef& c) {
+void run(const void* g, float* w, float* m, float* v, void* p, int64_t n, const Coef& c) {
   at::parallel_for(0, (n + BLOCK - 1) / BLOCK, 128, [=, &c](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       int64_t i = b * BLOCK, k = std::min(BLOCK, n - i);
-      block<G, P>(G == 0 ? nullptr : g + i, w + i, m + i, v + i, p + i, k, c);
+      block<G, P>(G == 0 ? nullptr : static_cast<const char*>(g) + i * size_of(G), w + i, m + i, v + i,
+                  P == 0 ? nullptr : static_cast<char*>(p) + i * size_of(P), k, c);
     }
   });
 }
 
 template <int P>
-void dispatch_grads(int G, const uint16_t* g, float* w, float* m, float* v, uint16_t* p, int64_t n, const Coef& c) {
+void dispatch_grads(int G, const void* g, float* w, float* m, float* v, void* p, int64_t n, const Coef& c) {
   if (G == 0) run<0, P>(g, w, m, v, p, n, c);
   else if (G == 1) run<1, P>(g, w, m, v, p, n, c);
-  else run<2, P>(g, w, m, v, p, n, c);
+  else if (G == 2) run<2, P>(g, w, m, v, p, n, c);
+  else run<3, P>(g, w, m, v, p, n, c);
 }
 
 int kind(const at::Tensor& t) {
   if (t.scalar_type() == at::kHalf) return 1;
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "fzero.native: FP16 or BF16 expected, got ", t.scalar_type());
+  if (t.scalar_type() == at::kFloat) return 3;
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "fzero.native: FP16, BF16 or FP32 expected, got ", t.scalar_type());
   return 2;
 }
 
 }  // namespace
 
+// params: none where the FP32 params are the master itself (master="params"), written in place.
 void adamw_update(std::vector<at::Tensor> grads, std::vector<int64_t> starts, at::Tensor coef, at::Tensor mean_factor,
-                  at::Tensor skip, at::Tensor master, at::Tensor m, at::Tensor v, at::Tensor params,
+                  at::Tensor skip, at::Tensor master, at::Tensor m, at::Tensor v, c10::optional<at::Tensor> params,
                   bool cast_on_skip) {
   const int64_t S = master.numel();
   for (const auto& t : {master, m, v})
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == S && t.device().is_cpu(),
                 "fzero.native: master and moments must be contiguous FP32 CPU tensors of ", S, " elements");
-  TORCH_CHECK(params.is_contiguous() && params.numel() == S, "fzero.native: params must be contiguous, ", S, " elements");
-  const int P = kind(params);
+  int P = 0;
+  void* Pp = nullptr;
+  if (params.has_value()) {
+    TORCH_CHECK(params->is_contiguous() && params->numel() == S && params->device().is_cpu(),
+                "fzero.native: params must be a contiguous CPU tensor of ", S, " elements");
+    P = kind(*params);
+    Pp = params->data_ptr();
+    TORCH_CHECK(!(P == 3 && Pp == master.data_ptr()), "fzero.native: FP32 params that are the master: pass none");
+  }
   auto cf = coef.contiguous().to(at::kFloat);
   const float* k = cf.data_ptr<float>();
   Coef c{k[0], k[1], k[2], k[3], k[4], k[5], k[6], k[7], mean_factor.item<float>(),
          P == 1 ? 65504.0f : bits_to_float(0x7F7F0000u)};
   auto* W = master.data_ptr<float>(); auto* M = m.data_ptr<float>(); auto* V = v.data_ptr<float>();
-  auto* Pp = reinterpret_cast<uint16_t*>(params.data_ptr());
+  auto at_elem = [&](int64_t i) { return P == 0 ? nullptr : static_cast<char*>(Pp) + i * size_of(P); };
   if (skip.item<bool>()) {  // nothing changes; params of their own (cast_on_skip) get the master's cast
-    if (cast_on_skip)
+    if (cast_on_skip && P != 0)
       at::parallel_for(0, (S + BLOCK - 1) / BLOCK, 128, [&](int64_t lo, int64_t hi) {
         for (int64_t b = lo; b < hi; ++b) {
           int64_t i = b * BLOCK, n = std::min(BLOCK, S - i);
-          if (P == 1) cast_block<1>(W + i, Pp + i, n, c.big); else cast_block<2>(W + i, Pp + i, n, c.big);
+          if (P == 1) cast_block<1>(W + i, at_elem(i), n, c.big);
+          else if (P == 2) cast_block<2>(W + i, at_elem(i), n, c.big);
+          else cast_block<3>(W + i, at_elem(i), n, c.big);
         }
       });
     return;
@@ -146,17 +172,19 @@ void adamw_update(std::vector<at::Tensor> grads, std::vector<int64_t> starts, at
   for (size_t i = 0; i < grads.size(); ++i) order.emplace_back(starts[i], int64_t(i));
   std::sort(order.begin(), order.end());
   int64_t pos = 0;
-  auto span = [&](int G, const uint16_t* g, int64_t lo, int64_t n) {
+  auto span = [&](int G, const void* g, int64_t lo, int64_t n) {
     if (n <= 0) return;
-    if (P == 1) dispatch_grads<1>(G, g, W + lo, M + lo, V + lo, Pp + lo, n, c);
-    else dispatch_grads<2>(G, g, W + lo, M + lo, V + lo, Pp + lo, n, c);
+    if (P == 0) dispatch_grads<0>(G, g, W + lo, M + lo, V + lo, nullptr, n, c);
+    else if (P == 1) dispatch_grads<1>(G, g, W + lo, M + lo, V + lo, at_elem(lo), n, c);
+    else if (P == 2) dispatch_grads<2>(G, g, W + lo, M + lo, V + lo, at_elem(lo), n, c);
+    else dispatch_grads<3>(G, g, W + lo, M + lo, V + lo, at_elem(lo), n, c);
   };
   for (auto [s, i] : order) {
     const auto& g = grads[i];
     TORCH_CHECK(g.is_contiguous() && s >= pos && s + g.numel() <= S, "fzero.native: grad piece ", i,
                 " (", g.numel(), " elements from ", s, ") overlaps another or lies outside the shard of ", S);
     span(0, nullptr, pos, s - pos);
-    span(kind(g), reinterpret_cast<const uint16_t*>(g.data_ptr()), s, g.numel());
+    span(kind(g), g.data_ptr(), s, g.numel());
     pos = s + g.numel();
   }
   span(0, nullptr, pos, S - pos);

@@ -1,8 +1,9 @@
 """fzero's own CPU kernels: the mixed-precision AdamW update (``adamw_update``), one pass per
-element that reads the FP16 or BF16 grad, updates the FP32 master and both FP32 moments and
+element that reads the FP16, BF16 or FP32 grad, updates the FP32 master and both FP32 moments and
 writes the param in its dtype (DeepSpeed's ``DeepSpeedCPUAdam`` is such a kernel, for
-ZeRO-Offload's CPU step); and the eager norm's sum of squares (``sum_of_squares``), which reads
-the grads once where torch's ops would first copy them into FP32 or float64.
+ZeRO-Offload's CPU step; FP32 params may be the master itself, then nothing else is written); and
+the norm's sum of squares (``sum_of_squares``), which reads the grads once where torch's ops
+would first copy them into FP32 or float64.
 
 Per element, with ``g`` the grad in FP32 times the 0-d ``mean_factor`` (``ShardGrads.mean``),
 and the 0-d FP32 coefficients ``transforms.adam``'s arithmetic computes once per step::
@@ -11,7 +12,8 @@ and the 0-d FP32 coefficients ``transforms.adam``'s arithmetic computes once per
     v' = v b2 + (w2 g) g                     w2 = 1 - b2
     u  = (m' step_size) / (sqrt(v') inv_bc2 + eps)
     w' = w + neg_lr (u + wd w)               neg_lr = -lr
-    p  = cast(clamp(w', -max, max))          FP16: to nearest, ties to even; BF16: ties away
+    p  = cast(clamp(w', -max, max))          FP16: to nearest, ties to even; BF16: ties away;
+                                             FP32: w' itself
 
 each product and sum rounded on its own (no FMA contraction, ``-ffp-contract=off``), in the
 order above: the same bits as the update inductor compiles from ``transforms.adamw``
@@ -39,6 +41,7 @@ import hashlib
 import os
 import platform
 import warnings
+from typing import Optional
 
 import torch
 
@@ -93,26 +96,28 @@ def available(device: torch.device) -> bool:
 
 
 def adamw_update(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor, mean_factor: torch.Tensor,
-                 skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, params: torch.Tensor, *,
-                 cast_on_skip: bool = False) -> None:
-    """The update of an ``[S]`` shard in place: ``grads[i]`` (1-D FP16 or BF16, contiguous)
-    holds the elements from ``starts[i]`` (pieces in any order, not overlapping; the elements no
-    piece holds have zero grads, the padding); ``coefficients`` ``[8]`` FP32 (``COEFFICIENTS``);
-    ``master``, ``m``, ``v`` ``[S]`` FP32, written; ``params`` ``[S]`` FP16 or BF16, written
-    with the new master's cast. A skipped step writes nothing (the params are the old master's
-    cast already), or with ``cast_on_skip`` (new params: the pure step) only the params, the
-    master's cast."""
+                 skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                 params: torch.Tensor | None, *, cast_on_skip: bool = False) -> None:
+    """The update of an ``[S]`` shard in place: ``grads[i]`` (1-D FP16, BF16 or FP32,
+    contiguous) holds the elements from ``starts[i]`` (pieces in any order, not overlapping; the
+    elements no piece holds have zero grads, the padding); ``coefficients`` ``[8]`` FP32
+    (``COEFFICIENTS``); ``master``, ``m``, ``v`` ``[S]`` FP32, written; ``params`` ``[S]`` FP16,
+    BF16 or FP32, written with the new master's cast (FP32: its value), or ``None`` where the
+    FP32 params are the master itself (``master="params"``). A skipped step writes nothing (the
+    params are the old master's cast already), or with ``cast_on_skip`` (new params: the pure
+    step) only the params, the master's cast."""
     _module().adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast_on_skip)
 
 
 @torch.library.custom_op("fzero::adamw_update_", mutates_args=("master", "m", "v", "params"))
 def _adamw_update_op(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor,
                      mean_factor: torch.Tensor, skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor,
-                     v: torch.Tensor, params: torch.Tensor, cast_on_skip: bool) -> None:
+                     v: torch.Tensor, params: Optional[torch.Tensor], cast_on_skip: bool) -> None:
     """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``;
-    ``params`` 1-D, or ``[S, 1]`` compiled from a grads pytree, ``stages.cast_target``)."""
-    adamw_update(grads, starts, coefficients, mean_factor, skip, master, m, v, params.view(-1),
-                 cast_on_skip=cast_on_skip)
+    ``params`` and, where the params are the master, ``master`` 1-D, or ``[S, 1]`` compiled from
+    a grads pytree, ``stages.cast_target``)."""
+    adamw_update(grads, starts, coefficients, mean_factor, skip, master.view(-1), m, v,
+                 None if params is None else params.view(-1), cast_on_skip=cast_on_skip)
 
 
 @_adamw_update_op.register_fake

@@ -74,6 +74,8 @@ def update(tx, checked: Checked, master: torch.Tensor, tx_state: Any, *, param_d
         # leaf by leaf, the kernel would cast into the params' buffer: the leaves are checked to be
         # views of it first, and everything the step writes depends on ``skip``, so comes after
         skip = skip | torch.ops.fzero.views_checked(*out)
+    if mode.params_are_master:  # the master is a view of the params' own buffer: written, nothing cast
+        out = master
     variant, fused = choose(mode, tx, tx_state, checked.grads, skip, norm, master.numel(), param_dtype=param_dtype)
     return variant(tx, fused, checked.grads, master, tx_state, skip, norm, param_dtype=param_dtype, chunk=mode.chunk,
                    donate=mode.donate, out=out, compiled=compiled)
@@ -133,6 +135,10 @@ def cast_target(params: Any, layout: Layout, mode: StepMode) -> torch.Tensor | t
 
 def params_shard(params: Any, layout: Layout, rank: int, mode: StepMode) -> torch.Tensor:
     """This rank's ``[S]`` shard of the params' flat buffer: a view of their own buffer where
-    ``mode.own_buffer`` allows looking it up and they are views of one, else laid out anew."""
+    ``mode.own_buffer`` allows looking it up and they are views of one, else laid out anew;
+    leaf by leaf into their own buffer (traced), that buffer as ``cast_target`` takes it,
+    ``[S, 1]`` (the update checks the leaves are views of it before it reads or writes it)."""
+    if mode.leafwise and mode.cast_into_params:
+        return cast_target(params, layout, mode)[0]
     flat = own_buffer(params, layout, mode.flat_in) if mode.own_buffer else None
     return shard_of(flatten(params, layout) if flat is None else flat, layout, rank)

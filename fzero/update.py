@@ -157,10 +157,11 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False, native
     * float64 otherwise (eager BF16 or FP32): it never overflows for finite inputs.
 
     Each is exact to ~1e-7 relative (a running sum of 256 terms; one over 2^18 terms would lose
-    1e-4). ``native`` (eager, CPU grads, ``fzero.native`` built: at the first call): the same
+    1e-4). ``native`` (eager, CPU grads, ``fzero.native`` built: at the first call; or traced,
+    where the step's update runs that kernel leaf by leaf, ``StepMode.native_norm``): the eager
     rows, each row's sum of squares taken in one pass by fzero's kernel in FP32 (``bounded``) or
-    float64, with no FP32 or float64 copy of the grads."""
-    if native and not compiled and native_kernel.available(torch.device("cpu")) and all(
+    float64, with no FP32 or float64 copy of the grads; traced too, the eager step's bits."""
+    if native and (compiled or native_kernel.available(torch.device("cpu"))) and all(
             p.dtype in _NATIVE_NORM_DTYPES and p.device.type == "cpu" and p.is_contiguous() for p in g.parts):
         return native_kernel.sum_of_squares(g.pieces(NORM_BLOCK), NORM_ROW, wide=not bounded)
     # Each piece's full rows, then every tail that fills no row, zero-padded.
@@ -392,17 +393,19 @@ def compiled_leaves(tx, fused, grads: ShardGrads, master, tx_state, skip, norm, 
 def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk,
                   donate, out, compiled=None):
     """The update at world size 1 with fzero's own CPU kernel (``fzero.native``) for AdamW on
-    FP32 moments (``fused.adamw``; ``native_fused`` decides): one pass that reads the FP16 or
-    BF16 grads where they lie (the flat buffer, or the grad leaves), updates master and
-    moments in place and casts the params into ``out``, their own buffer (``donate``; a skipped
-    step writes nothing: the params are the master's cast already; compiled from a grads pytree,
-    their buffer as ``[S, 1]``, checked by ``stages.update``). Pure (eager): the same on
-    copies of master and moments, the params into a new buffer (a skipped step: the master's
-    cast). The same bits as ``generic_whole`` compiled."""
+    FP32 moments (``fused.adamw``; ``native_fused`` decides): one pass that reads the grads
+    where they lie (the flat buffer, or the grad leaves), updates master and moments in place
+    and casts the params into ``out``, their own buffer (``donate``; a skipped step writes
+    nothing: the params are the master's cast already; compiled from a grads pytree, their
+    buffer as ``[S, 1]``, checked by ``stages.update``). ``out is master``: FP32 params that are
+    the master itself (``master="params"``, ``stages.update``), written as the master is.
+    Pure (eager): the same on copies of master and moments, the params into a new buffer (a
+    skipped step: the master's cast). The same bits as ``generic_whole`` compiled."""
     # ``fused.state`` is the new state, its moments the tensors the kernel writes: one traversal
     # of it (traced, each optree call is some 2,500 instructions dynamo interprets).
     new_state = fused.state
     sized = [x for x in optree.tree_leaves(new_state) if x.ndim]
+    params_are_master = out is master  # donated only (pure: ``out`` is None)
     if not donate:
         master, sized = master.clone(), [x.clone() for x in sized]
         out = torch.empty(master.shape, dtype=param_dtype, device=master.device)
@@ -411,18 +414,20 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
     out = out[0] if isinstance(out, tuple) else out  # leaf by leaf: (buffer, leaves, offsets), checked by then
     g = grads.segments()
     torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, *sized,
-                                  out, not donate)
+                                  None if params_are_master else out, not donate)
     return master, new_state, out
+
+
+_NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the grads and params the kernel reads and writes
 
 
 def native_fused(tx, tx_state, parts, numel: int, skip, norm, param_dtype) -> FusedStep | None:
     """The transform's ``FusedStep`` where fzero's own CPU kernel can run it (``native_update``,
     and leaf by leaf ``fzero.leafwise``), else ``None``: AdamW's coefficients given for the grads
-    as they are (no clipping before it), two ``[numel]`` FP32 moments, the grads ``parts`` FP16
-    or BF16 contiguous CPU pieces, FP16 or BF16 params."""
-    low = (torch.float16, torch.bfloat16)
-    if tx.fused is None or param_dtype not in low or any(
-            p.dtype not in low or p.device.type != "cpu" or not p.is_contiguous() for p in parts):
+    as they are (no clipping before it), two ``[numel]`` FP32 moments, the grads ``parts`` FP16,
+    BF16 or FP32 contiguous CPU pieces, FP16, BF16 or FP32 params."""
+    if tx.fused is None or param_dtype not in _NATIVE_DTYPES or any(
+            p.dtype not in _NATIVE_DTYPES or p.device.type != "cpu" or not p.is_contiguous() for p in parts):
         return None
     sized = [x for x in optree.tree_leaves(tx_state) if x.ndim]
     if len(sized) != 2 or any(x.dtype != torch.float32 or x.shape != (numel,) for x in sized):

@@ -35,18 +35,20 @@ def counted(monkeypatch) -> list:
     return calls
 
 
-def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compiled=True):
+def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compiled=True, master="fp32"):
     """Steps of ``adamw`` with a warm-up schedule (lr a new value each step) over ``seq``,
     compiled (or eager), from the grads pytree (compiled: leaf by leaf, with the kernel or the
-    compiled loops) or (``flat``) from the flat buffer; returns ``(params as a pytree, state,
-    infos)``."""
+    compiled loops; FP32 params: with the kernel only) or (``flat``) from the flat buffer, the
+    master kept as ``master`` says; returns ``(params as a pytree, state, infos)``."""
     torch._dynamo.reset()
     monkeypatch.setattr(native, "available", lambda device: use_native)
     scaling = fzero.DynamicLossScale(init_scale=2.0**10, growth_interval=2) if param_dtype == torch.float16 else None
     tx = transforms.adamw(lr=lambda count: 1e-2 * (count.double() + 1) / 4, weight_decay=0.1)
-    engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling, donate=donate, bucket_bytes=48)
+    engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling, donate=donate, bucket_bytes=48,
+                         master=master)
     params, state, ss = engine.init(p0)
-    assert engine._compiled_update.native == use_native and engine._compiled_update.leaves is not None
+    assert engine._compiled_update.native == use_native
+    assert (engine._compiled_update.leaves is not None) == (use_native and donate or param_dtype != torch.float32)
     step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
     carry = engine.flat_params(params) if flat else params
     infos = []
@@ -57,18 +59,21 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
 
 
 # Pure in BF16 only: its kernel call is the donated one on copies of master and moments, into new
-# params (``cast_on_skip``, whose cast the edges test below takes in both dtypes).
-@pytest.mark.parametrize("param_dtype,donate", [(torch.float16, True), (torch.bfloat16, True),
-                                                (torch.bfloat16, False)])
-def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, monkeypatch, leaf_by_leaf_at_any_size):
+# params (``cast_on_skip``, whose cast the edges test below takes in every dtype). FP32 params
+# beside an FP32 master (written as its copy) and as the master itself (``master="params"``:
+# leaf by leaf, the master is then the params' own buffer, checked before the kernel reads it).
+@pytest.mark.parametrize("param_dtype,donate,master", [(torch.float16, True, "fp32"), (torch.bfloat16, True, "fp32"),
+                                                       (torch.bfloat16, False, "fp32"), (torch.float32, True, "fp32"),
+                                                       (torch.float32, True, "params")])
+def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, master, monkeypatch, leaf_by_leaf_at_any_size):
     """The compiled step from a grads pytree (leaf by leaf) and from the flat buffer with the
     kernel, and the eager step with it, against the compiled step on the flat buffer with
     inductor's loops (which ``test_leafwise.py`` holds bit for bit to the leaf-by-leaf loops):
     every param, the master, the moments and the count bit for bit, with padding between leaves
     (buckets), an inf that skips a step (pure: the new params the master's cast), and a learning
-    rate that changes every step. The kernel runs once per step, eager or compiled and donated
-    (the compiled pure step keeps inductor's loops: on the flat buffer here, leaf by leaf in
-    test_leafwise.py)."""
+    rate that changes every step; the grad norm to 1e-6. The kernel runs once per step, eager or
+    compiled and donated (the compiled pure step keeps inductor's loops: on the flat buffer here,
+    leaf by leaf in test_leafwise.py)."""
     p0 = odd_params()
     seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0)
     calls = counted(monkeypatch)
@@ -78,16 +83,19 @@ def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, monkeypa
         for use_native in (False, True) if flat else (True,) if donate else ():
             before = len(calls)
             runs[flat, use_native] = train(p0, seq, param_dtype, flat=flat, donate=donate, use_native=use_native,
-                                           monkeypatch=monkeypatch)
+                                           monkeypatch=monkeypatch, master=master)
             assert len(calls) - before == (len(seq) if use_native and donate else 0)
         before = len(calls)
         runs[flat, "eager"] = train(p0, seq, param_dtype, flat=flat, donate=donate, use_native=True,
-                                    monkeypatch=monkeypatch, compiled=False)
+                                    monkeypatch=monkeypatch, compiled=False, master=master)
         assert len(calls) - before == len(seq)
     want = runs[True, False]
+    norms = lambda run: torch.stack([i["grad_norm"] for i in run[2]])  # noqa: E731
     for got in runs.values():
         assert [bool(i["found_inf"]) for i in got[2]] == [bool(i["found_inf"]) for i in want[2]] == [
             False, False, True, False, False]
+        # the norm in rows of its own where the kernel takes it (eager, and leaf by leaf: fzero.native)
+        torch.testing.assert_close(norms(got), norms(want), rtol=1e-6, atol=0, equal_nan=True)
         for a, b in zip(optree.tree_leaves(got[:2]), optree.tree_leaves(want[:2])):
             assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -104,13 +112,14 @@ def edge_master(param_dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("skip", [False, True])
-@pytest.mark.parametrize("param_dtype", DTYPES)
+@pytest.mark.parametrize("param_dtype", [*DTYPES, torch.float32])
 def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip):
     """``adamw_update`` on a shard with gaps between its grad pieces (padding: zero grads) and
     master values at the cast's edges, against the compiled ``_update`` of the same transform on
-    the FP32 grads times the mean factor: the master, both moments and the params, bit for bit
-    (eager, torch's ``sqrt`` on a CPU may differ from the correctly rounded one by an ulp). A
-    skipped step writes nothing."""
+    the grads (FP16, BF16 or FP32, as the params) times the mean factor: the master, both
+    moments and the params, bit for bit (eager, torch's ``sqrt`` on a CPU may differ from the
+    correctly rounded one by an ulp); FP32 params also as the master itself (no params given).
+    A skipped step writes nothing."""
     master = edge_master(param_dtype)
     S = master.numel()
     tx = transforms.adamw(lr=1e-3, weight_decay=0.1)
@@ -130,6 +139,11 @@ def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip)
     m0 = master.clone()
     params = cast_params(master, param_dtype, copy=True)
     fused = tx.fused(state, grad_scale=torch.tensor(1.0), found_inf=skip_t, grad_norm=torch.tensor(1.0))
+    if param_dtype == torch.float32:  # the FP32 params as the master: updated in place, nothing else written
+        as_master, mu2, nu2 = master.clone(), mu.clone(), nu.clone()
+        native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, as_master, mu2, nu2, None)
+        for got, want in ((as_master, want_master), (mu2, want_state[0].mu), (nu2, want_state[0].nu)):
+            assert torch.equal(got.view(torch.int8), want.view(torch.int8))
     native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, m0, mu, nu, params)
     for got, want in ((m0, want_master), (mu, want_state[0].mu), (nu, want_state[0].nu), (params, want_params)):
         assert got.dtype == want.dtype and torch.equal(got.view(torch.int8), want.view(torch.int8))
@@ -137,7 +151,7 @@ def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip)
     if skip:  # into new params (the pure step): it writes them, the master's cast, and nothing else
         fresh, before = torch.zeros_like(params), [x.clone() for x in (m0, mu, nu)]
         native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, m0, mu, nu, fresh, cast_on_skip=True)
-        assert torch.equal(fresh.view(torch.int16), want_params.view(torch.int16))
+        assert torch.equal(fresh.view(torch.int8), want_params.view(torch.int8))
         assert all(torch.equal(a, b) for a, b in zip(before, (m0, mu, nu)))
 
 
@@ -188,22 +202,28 @@ def test_where_it_runs_the_update_the_models_size_alone_picks_leaf_by_leaf(monke
     assert fzero.leafwise.MIN_MEAN_NUMEL * 4 > 55
 
 
-def test_leaf_by_leaf_params_outside_their_buffer_raise_before_the_kernel_writes(leaf_by_leaf_at_any_size):
-    """Compiled from a grads pytree, the kernel casts into the params' own buffer: params that are
-    not views of it (each leaf its own memory) raise a clear error, and master and moments keep
-    every bit; the engine's params then step."""
+@pytest.mark.parametrize("param_dtype,master", [(torch.bfloat16, "fp32"), (torch.float32, "params")])
+def test_leaf_by_leaf_params_outside_their_buffer_raise_before_the_kernel_writes(param_dtype, master,
+                                                                                 leaf_by_leaf_at_any_size):
+    """Compiled from a grads pytree, the kernel casts into the params' own buffer (FP32 params
+    with ``master="params"``: updates it, as the master): params that are not views of it (each
+    leaf its own memory) raise a clear error, and the state and both sets of params keep every
+    bit; the engine's params then step."""
     p0 = odd_params()
-    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.bfloat16, loss_scale=None, donate=True)
+    engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=param_dtype, loss_scale=None, donate=True,
+                         master=master)
     params, state, ss = engine.init(p0)
-    grads = optree.tree_map(lambda x: x.bfloat16(), grads_like(p0, 0))
+    grads = optree.tree_map(lambda x: x.to(param_dtype), grads_like(p0, 0))
     torch._dynamo.reset()
     step = torch.compile(engine.step, fullgraph=True)
-    before = optree.tree_map(lambda x: x.clone(), state)
+    cloned = optree.tree_map(lambda x: x.clone(), params)
+    before = optree.tree_map(lambda x: x.clone(), (state, params, cloned))
     with pytest.raises(ValueError, match="params are not views of one flat buffer"):
-        step(optree.tree_map(lambda x: x.clone(), params), grads, state, ss)
-    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(before)))
+        step(cloned, grads, state, ss)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves((state, params, cloned)),
+                                                 optree.tree_leaves(before)))
     step(params, grads, state, ss)
-    assert not torch.equal(state.master, before.master)
+    assert not torch.equal(params["w"], before[1]["w"]) and not torch.equal(state.tx_state[0].mu, before[0].tx_state[0].mu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -34,7 +34,7 @@ def shard_problem(S=1000, seed=0):
 def mode(**kw):
     base = dict(compiled=False, fused=True, chunk=None, state_device=torch.device("cpu"), flat_in=True,
                 donate=False, cast_into_params=False, write_params=False, own_buffer=True, leafwise=False, native=False,
-                native_norm=False)
+                native_norm=False, params_are_master=False)
     return StepMode(**{**base, **kw})
 
 
@@ -106,7 +106,7 @@ def test_choose_compiles_the_chunks_for_bf16_or_8_bit_state_from_compile_numel_u
 
 def test_step_mode_decides_each_mode_once():
     kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"),
-              leafwise=True, native=True, native_leaves=True, native_norm=True)
+              leafwise=True, native=True, native_leaves=True, native_norm=True, master_in_params=False)
     m = StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)
     assert (m.compiled, m.fused, m.chunk, m.cast_into_params, m.write_params, m.own_buffer) == (False, True, 256, True, True, True)
     m = StepMode.choose(donate=True, world_size=2, flat_in=False, **kw)
@@ -141,9 +141,16 @@ def test_step_mode_decides_each_mode_once():
     eager_pure = StepMode.choose(donate=False, world_size=1, flat_in=False, **kw)
     assert eager_pure.native and not eager_pure.cast_into_params
     assert not StepMode.choose(donate=True, world_size=2, flat_in=True, **kw).native
-    # the eager norm runs the kernel at any world size, pure or donated; the compiled one is inductor's
+    # the eager norm runs the kernel at any world size, pure or donated; the compiled one is
+    # inductor's, but where the kernel runs the update leaf by leaf
     assert m.native_norm and StepMode.choose(donate=False, world_size=2, flat_in=True, **kw).native_norm
-    assert not compiled.native_norm and not flat.native_norm
+    assert compiled.native_norm and not declined.native_norm and not flat.native_norm
+    # FP32 params that are their master (master="params"): the update writes them as the master
+    # where it writes into their own buffer, never into a pure step's inputs
+    kw = {**kw, "param_dtype": torch.float32, "master_in_params": True}
+    assert StepMode.choose(donate=True, world_size=1, flat_in=False, **kw).params_are_master
+    assert not StepMode.choose(donate=False, world_size=1, flat_in=False, **kw).params_are_master
+    assert not StepMode.choose(donate=True, world_size=2, flat_in=True, **kw).params_are_master
 
 
 def test_write_into_copies_every_new_tensor_into_the_old_one():
