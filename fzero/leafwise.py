@@ -66,7 +66,7 @@ MIN_NUMEL = 2**24
 # Where fzero's own CPU kernel runs the update (``native_runs``, donated: the pure step runs
 # inductor's loops), the step calls it once over all the grad leaves where they lie
 # (``fzero.update.native_update``): no host time per leaf, so no mean size; what is left is the
-# step's own work per leaf (its checks, the norm's loop per leaf). The elements from which it
+# step's own work per leaf (its checks of the leaves, dynamo's guards). The elements from which it
 # pays: an FP32 buffer of the shard above glibc's largest mmap threshold (32 MiB), which the
 # step's graph may then get as fresh pages every step.
 # ``benchmarks/leafwise.py`` (``fzero.models.gpt``, 76 leaves, widths 128-384), paired, leaf by

@@ -132,7 +132,9 @@ def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.
 
 
 NORM_BLOCK, NORM_ROW = 2**18, 256  # the eager sum of squares: elements per block, per row
-_NATIVE_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the grads fzero.native.sum_of_squares reads
+# The grads fzero.native's kernels read (the norm's sum of squares and the AdamW update), and the
+# params the update writes
+_NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False, native: bool = False) -> torch.Tensor:
@@ -162,7 +164,7 @@ def sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False, native
     rows, each row's sum of squares taken in one pass by fzero's kernel in FP32 (``bounded``) or
     float64, with no FP32 or float64 copy of the grads; traced too, the eager step's bits."""
     if native and (compiled or native_kernel.available(torch.device("cpu"))) and all(
-            p.dtype in _NATIVE_NORM_DTYPES and p.device.type == "cpu" and p.is_contiguous() for p in g.parts):
+            p.dtype in _NATIVE_DTYPES and p.device.type == "cpu" and p.is_contiguous() for p in g.parts):
         return native_kernel.sum_of_squares(g.pieces(NORM_BLOCK), NORM_ROW, wide=not bounded)
     # Each piece's full rows, then every tail that fills no row, zero-padded.
     scaled = compiled and not bounded
@@ -416,9 +418,6 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
     torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, *sized,
                                   None if params_are_master else out, not donate)
     return master, new_state, out
-
-
-_NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the grads and params the kernel reads and writes
 
 
 def native_fused(tx, tx_state, parts, numel: int, skip, norm, param_dtype) -> FusedStep | None:
