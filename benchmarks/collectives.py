@@ -6,8 +6,10 @@ both through torch's functional collectives as the step issues them. This script
 against the functional collectives that call gloo's own reduce-scatter and all-gather, on one
 FP32 bucket of ``--numel`` elements (the 10.8M of ``e2e.py``'s ``small`` GPT by default),
 alternating the two in each round; ms is the median over the rounds, measured on rank 0 after
-a barrier. Third: BF16 grads summed in FP32 (``reduce_scatter_wide``): gloo's own reduce-scatter
-of an FP32 copy, fzero's all-reduce of that copy (what the step did before), and fzero's
+a barrier; the reduce-scatter also as ``reduce_scatter_wide`` issues it (an all-to-all, each
+rank summing the pieces of its shard), which the step takes for low-precision grads only.
+Third: BF16 grads summed in FP32 (``reduce_scatter_wide``): gloo's own reduce-scatter of an
+FP32 copy, fzero's all-reduce of that copy (what the step did before), and fzero's
 all-to-all of the BF16 grads, each rank summing its shard in FP32.
 
     python benchmarks/collectives.py                    # 2 gloo ranks on CPU
@@ -48,14 +50,15 @@ def child(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD.group_name
     n = int(args.numel) // world * world
-    full = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+    # integers: their sums are exact in any order, so every form must agree bit for bit
+    full = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(rank)).float()
     shard = full[: n // world].clone()
-    # BF16 grads (integers: their sums are exact in any order, so every form must agree bit for bit)
-    low = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(rank)).bfloat16()
+    low = full.bfloat16()  # BF16 grads
     own, fz = FUNCTIONAL, over_all_reduce(rank, world)
     ops = {  # op -> implementation -> call; the first is the baseline of the speed-up column
         "reduce-scatter": {"gloo's own (functional collectives)": lambda: own.reduce_scatter(full, "sum", 0, group),
-                           "fzero on gloo (over_all_reduce)": lambda: fz.reduce_scatter(full, "sum", 0, group)},
+                           "fzero on gloo (over_all_reduce)": lambda: fz.reduce_scatter(full, "sum", 0, group),
+                           "fzero on gloo: all-to-all, summed": lambda: fz.reduce_scatter_wide(full, torch.float32, "sum", 0, group)},
         "all-gather": {"gloo's own (functional collectives)": lambda: own.all_gather(shard, 0, group),
                        "fzero on gloo (over_all_reduce)": lambda: fz.all_gather(shard, 0, group)},
         "reduce-scatter of BF16 grads, summed in FP32": {

@@ -69,6 +69,7 @@ VARIANTS = {  # fzero recipes --variants can add beside the main job's
     "main": "the main job's make_train_step: compiled loss of the flat buffer + compiled step",
     "new-grads": "the main job's step with a new flat grads buffer from each backward (no grads_into)",
     "grads-buffer": "compiled loss of the params, grads laid out into a flat buffer kept across steps + compiled step",
+    "grads-pytree": "compiled loss of the params, its per-leaf grads as they are + compiled step from the grads pytree",
     "overlapped": "engine.grad_and_value (reduce-scatter inside eager backward) + compiled step",
 }
 
@@ -140,6 +141,8 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         train_step = make_train_step(engine, loss_fn, compile=True)
     elif variant == "grads-buffer":
         train_step = grads_buffer_train_step(engine, loss_fn)
+    elif variant == "grads-pytree":
+        train_step = grads_pytree_train_step(engine, loss_fn)
     elif variant == "new-grads":
         train_step = make_train_step(engine, loss_fn, compile=True, keep_grads=False)
     else:  # "overlapped": engine.grad_and_value (reduce-scatter inside eager backward), compiled step
@@ -149,6 +152,17 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)
 
     return step
+
+
+def leaf_grads(compiled_loss, params, scaler_state, batch):
+    """``(loss, grads)``: the loss of ``params`` (its compiled function) and the grads of the
+    scaled loss, one per leaf in leaf order, as backward made them (the leaves are detached views
+    of the params: no copy)."""
+    leaves = optree.tree_map(lambda p: p.detach().requires_grad_(), params)
+    loss = compiled_loss(leaves, batch)
+    grads = torch.autograd.grad(fzero.scale_loss(loss, scaler_state), optree.tree_leaves(leaves),
+                                allow_unused=True, materialize_grads=True)
+    return loss, grads
 
 
 def grads_buffer_train_step(engine, loss_fn):
@@ -163,15 +177,30 @@ def grads_buffer_train_step(engine, loss_fn):
 
     def train_step(params, state, scaler_state, batch):
         flat = engine.flat_params(params)
-        leaves = optree.tree_map(lambda p: p.detach().requires_grad_(), params)  # views of the buffer: no copy
-        loss = compiled_loss(leaves, batch)
-        grads = torch.autograd.grad(fzero.scale_loss(loss, scaler_state), optree.tree_leaves(leaves),
-                                    allow_unused=True, materialize_grads=True)
+        loss, grads = leaf_grads(compiled_loss, params, scaler_state, batch)
         if not grads_buffer:
             grads_buffer.append(torch.zeros_like(flat))
         flat_grads = fzero.flatten(grads, engine.layout, out=grads_buffer[0])
         flat, state, scaler_state, info = optimizer_step(flat, flat_grads, state, scaler_state)
         return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
+
+    return train_step
+
+
+def grads_pytree_train_step(engine, loss_fn):
+    """The step a user writes first: the loss a compiled function of the params (as a torch user
+    compiles a module), its per-leaf grads as backward made them, and the compiled step from that
+    grads pytree (at world size 1 on a CPU, the update leaf by leaf where the kernel runs,
+    ``fzero.leafwise``, and no flat grads buffer; on more ranks the step lays the grad leaves
+    out for the reduce-scatter)."""
+    optimizer_step = torch.compile(engine.step, fullgraph=True)
+    compiled_loss = torch.compile(loss_fn)
+
+    def train_step(params, state, scaler_state, batch):
+        loss, grads = leaf_grads(compiled_loss, params, scaler_state, batch)
+        grads = optree.tree_unflatten(optree.tree_structure(params), list(grads))
+        params, state, scaler_state, info = optimizer_step(params, grads, state, scaler_state)
+        return params, state, scaler_state, loss.detach(), info
 
     return train_step
 
