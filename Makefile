@@ -1,6 +1,6 @@
 # `make test`  : set up .venv (if absent) and run every test, in TEST_JOBS parallel workers.
 # `make test-fast`: the unit tier without its slow tests (no process group, no subprocess): the
-#                edit-test loop, about a minute.
+#                edit-test loop, about 75 s with a warm inductor cache (the first run fills it).
 # `make train` : set up .venv and run the main job: a character-level GPT, FP16 + dynamic loss
 #                scaling, 2 ZeRO-1 ranks on CPU (gloo), about 2 minutes.
 VENV   ?= .venv

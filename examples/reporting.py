@@ -136,8 +136,7 @@ def open_metrics(out: str, resume: str | None, step: int):
     summary records of the run that took them); the kept step records come back for the plot.
     Any other run starts the file afresh."""
     path = os.path.join(out, "metrics.jsonl")
-    inside = resume and os.path.commonpath([os.path.realpath(resume), os.path.realpath(out)]) == os.path.realpath(out)
-    if not (inside and os.path.isfile(path)):
+    if not (resume and in_run(resume, out) and os.path.isfile(path)):
         return open(path, "w"), []
     earlier, read, keep = [], 0, 0
     with open(path, "rb") as f:
@@ -155,6 +154,21 @@ def open_metrics(out: str, resume: str | None, step: int):
                 keep = read
     os.truncate(path, keep)
     return open(path, "a"), earlier
+
+
+def in_run(resume: str, out: str) -> bool:
+    """Whether the checkpoint ``resume`` belongs to the run directory ``out``: it is under
+    ``out`` as given (``<out>/ckpt/step-N``, even where the checkpoint, or ``ckpt``, is a
+    symlink to another volume), or where it really lies."""
+    real_out, real = os.path.realpath(out), os.path.realpath(resume)
+    if os.path.commonpath([real, real_out]) == real_out:
+        return True
+    parent = os.path.dirname(os.path.abspath(resume))  # each directory on the way, its links resolved
+    while os.path.realpath(parent) != real_out:
+        if parent == os.path.dirname(parent):
+            return False
+        parent = os.path.dirname(parent)
+    return True
 
 
 def config_record(args, world: int, device: torch.device, n_params: int, state_bytes: int, resume: dict | None):

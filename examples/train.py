@@ -32,11 +32,12 @@ other batches from there on), except the model's -- --model, --config, --block-s
 --dtype -- and a --grad-clip that turns clipping on or off: those are flag errors. One line names
 the flags taken from the checkpoint (where they differ from the defaults) and the given ones that
 differ from it; the config record holds both under "resumed". Resumed into the directory that
-holds the checkpoint (--out <run>, --resume <run>/ckpt/step-N), the run continues that directory's
-metrics.jsonl: it keeps the records up to step N, drops the later ones (the steps it replaces),
-appends a config record and its own, and loss.png plots the whole run. Into another directory the
-log starts afresh. Either way skipped_total goes on from the checkpoint's count (the summary's
-skipped_steps and steps count this process's steps).
+holds the checkpoint (--out <run>, --resume <run>/ckpt/step-N, also where that is a symlink to
+another volume), the run continues that directory's metrics.jsonl: it keeps the records up to
+step N, drops the later ones (the steps it replaces), appends a config record and its own, and
+loss.png plots the whole run. Into another directory the log starts afresh. Either way
+skipped_total goes on from the checkpoint's count (the summary's skipped_steps and steps count
+this process's steps).
 
 Progress: a tqdm bar on a terminal; without one (a file, a pipe, a terminal with no size) one
 line per log step. A bad flag stops the run before any work with one line naming it and a valid
@@ -62,6 +63,19 @@ from reporting import (LogWindow, Progress, config_record, dir_bytes, make_profi
 KEPT_MASTER = {"fp32": "FP32 master", "remainder": "int16 master remainder", "params": "the FP32 params as master"}
 
 
+def check_resume_step(path: str) -> None:
+    """The --resume checkpoint records the step it was saved at, ``extra["step"]``, as
+    --save-every's do (fzero checks that one is an integer >= 0); ``UsageError`` naming the file
+    and the key if it does not."""
+    try:
+        extra = fzero.checkpoint.read_manifest(path)["extra"]
+    except fzero.checkpoint.CheckpointError as e:  # (check_args read it: changed since)
+        raise UsageError(f"--resume {path}: {e}") from None
+    if "step" not in extra:
+        raise UsageError(f"--resume {path}: its manifest.json has no extra[\"step\"], the step train.py records "
+                         "with each checkpoint (saved by other code?); resume from a checkpoint of --save-every")
+
+
 def main(argv=None):
     args = parse_args(argv, description=__doc__)
     # Every bad flag fails here, before any rank joins a group or builds a model: one line, from
@@ -69,6 +83,8 @@ def main(argv=None):
     world, rank = launched()
     try:
         resume = check_args(args, world, given_flags(argv))  # with --resume: the flags it took from the checkpoint
+        if args.resume:  # checked once here: every rank reads extra["step"] after the load
+            check_resume_step(args.resume)
         data = load_data(args)
     except UsageError as e:
         exit_usage("train.py", e, rank)

@@ -25,7 +25,7 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["arrive", "report_failure", "reset", "ranks_text"]
+__all__ = ["arrive", "elsewhere", "report_failure", "reset", "ranks_text"]
 
 _arrivals: dict[str, int] = {}  # group name -> arrivals this process made in it (off the hot path)
 _PREFIX = "fzero/arrive"
@@ -88,6 +88,30 @@ def arrive(group: str, what: str, *, timeout: float) -> None:
     raise CollectiveError("fzero: ranks are in different collective calls: "
                           + "; ".join(f"{c} on {ranks_text(rs)}" for c, rs in by_call.items())
                           + ". Every rank must make the same fzero calls in the same order.")
+
+
+def elsewhere(group: str) -> str:
+    """Where a failed hot-path collective's peers are, for its message: ``" Meanwhile rank 0 is
+    in checkpoint.save ..."`` when some rank of ``group`` (a name) has arrived in a collective
+    fzero call that this rank has not made (a call under ``if rank == 0:``: that rank waits there
+    while this one went on to its step), else ``""``. Best effort, on the error path only: the
+    store may be gone with the rank that hosted it."""
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group)
+        ranks, me, store = dist.get_process_group_ranks(pg), dist.get_rank(), _store()
+        _, key = _keys(group, _arrivals.get(group, 0) + 1)
+        calls = {r: store.get(key(r)).decode() for r in ranks if r != me and store.check([key(r)])}
+    except (RuntimeError, ValueError, KeyError):
+        return ""
+    by_call: dict[str, list[int]] = {}
+    for r, c in calls.items():
+        by_call.setdefault(c, []).append(r)
+    if not by_call:
+        return ""
+    return (" Meanwhile " + "; ".join(f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} in {c}"
+                                      for c, rs in by_call.items())
+            + ", which this rank never called: a collective fzero call made on some ranks only (under `if rank == "
+            "0:`)? Call it on every rank.")
 
 
 def report_failure(error: BaseException) -> None:

@@ -74,8 +74,18 @@ def grad_and_value(
     def arrive(i: int, grad: torch.Tensor | None) -> None:
         nonlocal next_bucket
         k = bucket_of[i]
-        dst = buffers[k][pos_in[i] : pos_in[i] + sizes[i]]
-        dst.copy_(grad.reshape(-1)) if grad is not None else dst.zero_()
+        if i in missing[k]:  # its first grad
+            dst = buffers[k][pos_in[i] : pos_in[i] + sizes[i]]
+            dst.copy_(grad.reshape(-1)) if grad is not None else dst.zero_()
+        elif buffers[k] is not None:  # a second part (reentrant checkpointing): its bucket waits still
+            buffers[k][pos_in[i] : pos_in[i] + sizes[i]].add_(grad.reshape(-1))
+        else:
+            raise RuntimeError(
+                f"engine.grad_and_value: param leaf {layout.paths[i]!r} got a second part of "
+                f"its grad after its bucket's reduce-scatter started: a param used inside a reentrant activation "
+                "checkpoint (torch.utils.checkpoint(..., use_reentrant=True)) and outside it, or in two of them, "
+                "gets its grad from separate backward passes. Use use_reentrant=False (HF: "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))")
         missing[k].discard(i)
         while next_bucket < len(buffers) and not missing[next_bucket]:
             started[next_bucket] = start_bucket(buffers[next_bucket], next_bucket)
@@ -95,7 +105,9 @@ def grad_and_value(
         with torch.enable_grad():
             loss, value = fn(layout.treespec.unflatten(leaves))
             if loss.requires_grad:
-                loss.backward(inputs=leaves)
+                # Not ``inputs=leaves``: reentrant activation checkpointing (HF's default) refuses
+                # a backward that names its inputs. The leaves are fresh, nothing else holds them.
+                loss.backward()
     finally:
         for h in handles:
             h.remove()

@@ -29,7 +29,7 @@ import torch
 from . import checks, lineage, stages
 from .binding import Binding, ZeroState, config_table, fresh_state, to_state_device
 from .comm import Comm, SimulatedComm, comm_of_mesh
-from .flat import Layout, flat_buffer, make_layout, tree_shard, unflatten
+from .flat import Layout, flat_buffer, make_layout, unflatten
 from .grads import Accumulated, GradFn, GradPath
 from . import leafwise, native
 from .mode import StepMode, compiling
@@ -114,8 +114,10 @@ class Engine:
         """``params``: pytree of floating tensors (FP32 recommended), never modified.
 
         Returns ``(params, state, scaler_state)``: ``params`` are ``param_dtype`` views of one
-        new flat buffer, assembled from every rank's master shard (so all ranks agree even if
-        their inputs differed); ``state`` holds this rank's FP32 shard and the transform state.
+        new flat buffer; ``state`` holds this rank's FP32 shard and the transform state. Every
+        rank trains rank 0's ``params``, as DDP broadcasts rank 0's weights when it is built
+        (``Communicator.first_rank_shard``): ranks seeded apart, or pretrained weights loaded on
+        rank 0 only, start from rank 0's, never from a mix of every rank's own shard.
         """
         checks.check_params(params)
         comm = self.comm
@@ -124,8 +126,7 @@ class Engine:
         device = optree.tree_leaves(params)[0].device
         state_device = torch.device("cpu") if self.offload else device
         with torch.no_grad():
-            shard = tree_shard(params, layout, comm.rank, dtype=torch.float32)
-            shard = comm.replicate_shard(shard)  # with replicas: the first one's, so that all copies agree
+            shard = comm.first_rank_shard(params, layout, what="params")
             first_params = cast_params(shard, self.param_dtype, copy=True)
         # The transform's init may look at the params' shapes (masks), not at their values: the
         # context, which the engine keeps, holds no copy of them.
@@ -171,20 +172,25 @@ class Engine:
         where writing into the param views is not (the master is the truth; see ``fzero.lineage``).
 
         ``values``: a pytree like the params, any floating dtype (FP32 keeps full precision).
-        Returns ``(params, state)``: the master shard is ``values``' shard in FP32, exactly as
-        ``init`` builds it (the first replica's on a hybrid mesh), the params its cast,
+        Returns ``(params, state)``: the master shard is rank 0's ``values``' shard in FP32,
+        exactly as ``init`` builds it, the params its cast,
         all-gathered; the transform state (moments, counts, hyperparameters) is kept. Call on
-        every rank; the step's inputs are not modified."""
+        every rank; the step's inputs are not modified. With ``donate=True`` the new state goes
+        on with the given one's transform state, which the next step writes: the given state is
+        consumed (``fzero.lineage``), as a step's is; a consumed one raises."""
         b = self._ready()
+        lineage.refuse_consumed(state, "engine.load_params")
         layout, comm = b.grads.layout, self.comm
         checks.check_params(values)
         checks.check_like_layout(values, layout, what="values", device=b.grads.device)
         comm.arrive("engine.load_params", timeout=self.call_timeout)
         with torch.no_grad():
-            shard = comm.replicate_shard(tree_shard(values, layout, comm.rank, dtype=torch.float32))
+            shard = comm.first_rank_shard(values, layout, what="values")
             params_shard = cast_params(shard, self.param_dtype, copy=True)
             new_state = self.stored(ZeroState(to_state_device(shard, b.state_device), state.tx_state), params_shard)
             new_params = unflatten(comm.all_gather(params_shard, layout), layout)
+        if self.donate:
+            lineage.consume(state)
         lineage.mark(new_params, new_state.master)
         return new_params, new_state
 
@@ -226,13 +232,14 @@ class Engine:
         """One optimizer step. ``params``: the pytree from ``init``/``step``, or its flat buffer
         (``flat_params``; the new params then come back flat too). ``grads`` are d(scaled
         loss)/d(params), this rank's: a pytree like params, the ``[N*S]`` grad of the flat
-        buffer, or an ``Accumulated`` sum of micro-batches.
+        buffer, or an ``Accumulated`` sum of micro-batches (applied as the sum, as DDP's
+        ``no_sync`` applies it).
 
-        reduce-scatter -> unscale and average -> one all-reduce of the squared norm (which
-        carries found_inf) -> transform -> keep old values if not finite -> cast -> all-gather
-        -> loss-scale update. Returns ``(params, state, scaler_state, info)``; ``info`` holds
-        0-d tensors: ``found_inf`` (bool, agreed by all ranks), ``loss_scale`` (used this
-        step), ``grad_norm`` (global L2 norm of the unscaled mean grads, before clipping) and
+        reduce-scatter -> unscale and average over ranks -> one all-reduce of the squared norm
+        (which carries found_inf) -> transform -> keep old values if not finite -> cast ->
+        all-gather -> loss-scale update. Returns ``(params, state, scaler_state, info)``; ``info``
+        holds 0-d tensors: ``found_inf`` (bool, agreed by all ranks), ``loss_scale`` (used this
+        step), ``grad_norm`` (global L2 norm of the unscaled grads it applies, before clipping) and
         ``scale_stuck`` (bool: overflows persist at the minimum scale, see ``fzero.scaler``;
         ``fzero.nonfinite_leaves(grads)`` then names the culprits, off the hot path), and the
         transform's ``hyperparams`` at this step (``lr``: the learning rate it applied, or would
@@ -267,14 +274,17 @@ class Engine:
     def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:
         """Add one micro-batch's grads to ``acc`` (``None`` starts a new sum); pass the result
         to ``step`` in place of grads for one update over all micro-batches (stage 1 sums the
-        FP32 ``[N*S]`` grads, stage 2 this rank's reduced ``[S]`` shard: see ``fzero.grads``)."""
+        FP32 ``[N*S]`` grads, stage 2 this rank's reduced ``[S]`` shard: see ``fzero.grads``).
+        ``step`` applies the sum, as DDP's ``no_sync`` does: divide each micro-batch's loss by
+        their number (``loss / ACCUM``) for the grads of the whole batch's mean loss."""
         return self._ready().grads.accumulate(acc, grads)
 
     def grad_and_value(self, fn, *, has_aux: bool = False, overlap: bool = True) -> GradFn:
         """The grads of ``fn`` (the plain loss of ``(params, *args, **kwargs)``) for ``step``, the
         loss scale applied, each bucket's reduce-scatter started inside backward: ``g(params,
         scaler_state, *args, **kwargs) -> (grads, unscaled loss)``; micro-batches with
-        ``g.no_sync``/``g.sync`` (``fzero.grads.GradFn``)."""
+        ``g.no_sync``/``g.sync`` (``fzero.grads.GradFn``), whose grads ``step`` sums as DDP does
+        (``fn`` divides each micro-batch's loss by their number for the whole batch's mean)."""
         return GradFn(lambda: self._ready().grads, fn, has_aux=has_aux, overlap=overlap)
 
     def flat_params(self, params: Any) -> torch.Tensor:

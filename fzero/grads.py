@@ -1,19 +1,25 @@
 """Gradients: the two forms the step reduces from, and the ways to build them.
 
 What a user passes as ``grads`` is converted once, at the door (``GradPath.to_form``), into
-one of two forms, each with its micro-batch count:
+one of two forms:
 
-* ``Unreduced(buckets, count, owned)``: this rank's grads, one ``[N*S_b]`` buffer per bucket, summed
-  over ``count`` micro-batches -- from a grads pytree (laid out by ``fzero.flat``), the grad of
-  the flat buffer (``flat_params``), or a stage-1 ``Accumulated`` (its FP32 ``[N*S]`` sum);
+* ``Unreduced(buckets, owned)``: this rank's grads, one ``[N*S_b]`` buffer per bucket -- from a
+  grads pytree (laid out by ``fzero.flat``), the grad of the flat buffer (``flat_params``), or a
+  stage-1 ``Accumulated`` (its FP32 ``[N*S]`` sum over micro-batches);
 * ``Reduced(shard, factor, count)``: this rank's ``[S]`` shard, already reduced over ranks:
-  ``shard * factor`` is the sum over ``count`` micro-batches of the mean over ranks -- from
-  a ``GradFn`` (``Engine.grad_and_value``: reduce-scattered inside backward, see
-  ``fzero.backward``) or a stage-2 ``Accumulated``.
+  ``shard * factor`` is the mean over ranks (of the sum over micro-batches, for an
+  ``Accumulated``) -- from a ``GradFn`` (``Engine.grad_and_value``: reduce-scattered inside
+  backward, see ``fzero.backward``) or a stage-2 ``Accumulated``.
+
+Micro-batches are summed, as DDP sums them under ``no_sync``: the step applies the sum over
+micro-batches of each one's grads averaged over ranks, never their mean. For the grads of the
+whole batch's mean loss, divide each micro-batch's loss by the number of micro-batches
+(``loss / ACCUM``, as with DDP and ``torch.optim``). ``Accumulated.count`` only reports how many
+micro-batches a sum holds; ``Reduced.count``, what the step divides by, is always 1.
 
 ``GradPath.reduce`` turns either into ``Reduced`` (one reduce-scatter per bucket for the first).
 The ``factor`` (``Comm.mean_factor``) stays separate so that the step folds it into its one FP32
-multiply with the unscale and the 1/count.
+multiply with the unscale.
 
 The eager fused step reads the reduced shard as ``Segments``, chunk by chunk; at world size 1
 (nothing to reduce) they are the caller's grad leaves themselves, so a grads pytree is never laid
@@ -38,33 +44,35 @@ __all__ = ["Accumulated", "Unreduced", "Reduced", "Segments", "GradPath", "GradF
 
 
 class Accumulated(NamedTuple):
-    """Gradients summed over ``count`` micro-batches (``GradFn``, ``Engine.accumulate``).
+    """Gradients summed over ``count`` micro-batches (``GradFn``, ``Engine.accumulate``); the
+    step applies the sum as it is, as DDP's ``no_sync`` does (see the module doc).
 
     ``grads``: this rank's (scaled) grads summed over micro-batches: the FP32 flat ``[N*S]``
     buffer (stage 1 ``no_sync``/``accumulate``, 4P bytes), or this rank's ``[S]`` shard already
     summed over ranks (stage 2, 4P/N bytes; or what a ``GradFn`` call or ``sync`` returns).
-    ``count``: 0-d int32 number of micro-batches in the sum."""
+    ``count``: 0-d int32 number of micro-batches in the sum, for reporting (the step does not
+    divide by it)."""
 
     grads: torch.Tensor
     count: torch.Tensor
 
 
 class Unreduced(NamedTuple):
-    """This rank's grads, one ``[N*S_b]`` buffer per bucket, summed over ``count`` micro-batches;
-    ``owned``: the buffers are new (laid out from a pytree, or cast), not the caller's tensors;
-    ``sum_dtype``: the dtype to sum them in over ranks where it is wider than theirs (else
-    ``None``: in their own)."""
+    """This rank's grads, one ``[N*S_b]`` buffer per bucket (of one batch, or summed over
+    micro-batches); ``owned``: the buffers are new (laid out from a pytree, or cast), not the
+    caller's tensors; ``sum_dtype``: the dtype to sum them in over ranks where it is wider than
+    theirs (else ``None``: in their own)."""
 
     buckets: list[torch.Tensor]
-    count: torch.Tensor | int
     owned: bool
     sum_dtype: torch.dtype | None = None
 
 
 class Reduced(NamedTuple):
-    """This rank's ``[S]`` shard reduced over ranks: ``shard * factor`` is the sum over ``count``
-    micro-batches of the mean over ranks; ``owned``: ``shard`` is no caller's tensor, so the
-    step may overwrite it."""
+    """This rank's ``[S]`` shard reduced over ranks: ``shard * factor`` is the mean over ranks
+    (summed over micro-batches, for an ``Accumulated``); ``count``: what the step divides it by
+    (``fzero.update.ShardGrads``), 1: micro-batches are summed, as DDP's ``no_sync`` sums them;
+    ``owned``: ``shard`` is no caller's tensor, so the step may overwrite it."""
 
     shard: torch.Tensor
     factor: float
@@ -181,10 +189,10 @@ class GradPath:
             dtype, sum_dtype = (self.param_dtype, self.reduce_dtype) if self.widened else (self.reduce_dtype, None)
             new_buffers = not isinstance(grads, torch.Tensor) or grads.dtype != dtype
             owned = new_buffers or (donated and self.comm.data_parallel > 1)
-            return Unreduced(self.buckets(grads, dtype), 1, owned, sum_dtype)
-        if self._check_accumulated(grads):
-            return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), grads.count, False)
-        return Unreduced(split_buckets(grads.grads, self.layout), grads.count, False)
+            return Unreduced(self.buckets(grads, dtype), owned, sum_dtype)
+        if self._check_accumulated(grads):  # the sum over micro-batches is applied as it is (DDP's)
+            return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), 1, False)
+        return Unreduced(split_buckets(grads.grads, self.layout), False)
 
     def segments(self, grads: Any) -> Segments:
         """A grads pytree or flat buffer, checked, as ``Segments`` of the flat ``[N*S]`` order
@@ -221,12 +229,13 @@ class GradPath:
         if isinstance(form, Reduced):
             return form
         shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout, donated=form.owned, dtype=form.sum_dtype)
-        return Reduced(shard, factor, form.count, form.owned or self.comm.data_parallel > 1)
+        return Reduced(shard, factor, 1, form.owned or self.comm.data_parallel > 1)
 
     # ------------------------------------------------------------------ micro-batches
     def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:
         """Add one micro-batch's grads to ``acc`` (``None`` starts a new sum); pass the result
-        to ``step`` in place of grads for one update over all micro-batches.
+        to ``step`` in place of grads for one update over all micro-batches, which applies the
+        sum (DDP's ``no_sync``; see the module doc).
 
         Stage 1 keeps an FP32 buffer of the full padded size (4P bytes per rank) and
         reduce-scatters once, in ``step``. Stage 2 reduce-scatters every micro-batch and sums
@@ -338,11 +347,12 @@ class GradFn:
     * Micro-batches, as DDP's ``no_sync``: ``acc, value = g.no_sync(acc, params, scaler_state,
       *args, **kwargs)`` for all but the last (``acc=None`` starts), then ``grads, value =
       g.sync(acc, params, scaler_state, *args, **kwargs)`` for the last; ``step`` applies the
-      mean over the micro-batches (do not divide the loss by their count). Stage 1: ``no_sync``
-      communicates nothing, it sums this rank's grads in FP32 (``[N*S]``, 4P bytes); ``sync``
-      adds that sum to each bucket before its reduce-scatter starts, still inside backward.
-      Stage 2: every micro-batch is reduce-scattered in backward and only this rank's FP32
-      ``[S]`` shard of the sum is kept (4P/N bytes).
+      sum of the micro-batches' grads, as DDP does: for the grads of the whole batch's mean
+      loss, ``fn`` divides each micro-batch's loss by their number (``loss / ACCUM``, DDP's
+      habit). Stage 1: ``no_sync`` communicates nothing, it sums this rank's grads in FP32
+      (``[N*S]``, 4P bytes); ``sync`` adds that sum to each bucket before its reduce-scatter
+      starts, still inside backward. Stage 2: every micro-batch is reduce-scattered in backward
+      and only this rank's FP32 ``[S]`` shard of the sum is kept (4P/N bytes).
 
     ``params``: as from ``init``/``step`` (pytree or flat buffer); the arguments before ``*args``
     are positional only, so no keyword of ``fn`` can clash. Keep the loss scale fixed over the

@@ -22,8 +22,21 @@ base's), so ``check`` can tell, with no device work and no sync:
   (a compiled step's new tensors, a clone): nothing is known, nothing is raised.
 
 With ``donate=True`` the step writes the new state into the given one and hands it back as new
-tensor objects over the same memory (``hand_over``); the given master is marked consumed, and a
-second step with it raises (JAX raises for a donated buffer too) instead of counting once more.
+tensor objects over the same memory (``hand_over``); the given master is marked consumed (so is
+the state given to ``load_params``, whose moments the new state goes on with), and every reader
+of a state -- a second step, ``load_params``, the checkpoint functions, ``get_hyperparams``,
+``nonfinite_leaves`` -- refuses it (``refuse_consumed``; JAX raises for a donated buffer too)
+instead of counting once more or reading the later step's values as its own.
+
+What version counters miss: a write through ``.data`` (a tensor with a counter of its own), a
+NumPy view, an edit of cloned params passed back in. ``checked_fp32_master`` finds those by
+value, off the hot path, where the params are read with the state anyway (``full_master``,
+``export_full``): the params must be the master cast to ``param_dtype``, exactly, after every
+step and every skipped one. That relation
+holds with the FP32 master; with ``master="remainder"`` the FP32 master is rebuilt from the
+params, so it holds whatever they are (an edit is caught only where it makes the master NaN: a
+zeroed leaf); with ``master="params"`` the params are the master, and a write into them is a
+write into the master.
 
 Marks are plain Python attributes (``Tensor.__dict__``): ``copy.deepcopy`` keeps them, ``clone``
 drops them. Under ``torch.compile`` nothing is marked or checked (dynamo cannot read version
@@ -32,17 +45,31 @@ counters); the supported way to change weights after ``init`` is ``Engine.load_p
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from .mode import compiling
+from fzero.transforms.base import register_holder
 
-__all__ = ["Mark", "ParamsEditedError", "buffer_of", "mark", "check", "hand_over"]
+from .binding import ZeroState
+from .flat import leaf_views
+from .mode import compiling
+from .shard_view import leaf_runs
+from .update import cast_params
+
+__all__ = ["Mark", "ParamsEditedError", "buffer_of", "mark", "params_of", "check", "refuse_consumed", "consume",
+           "hand_over", "checked_fp32_master"]
 
 _ATTR = "_fzero_mark"
 _TICKET = "_fzero_ticket"
+# id(master) -> weak references to that master and to the flat params buffer last marked with it.
+# Beside the tensors, not on them: an attribute on the master would travel with every torch.save
+# of a state, and torch.load(weights_only=True) refuses what it does not know. Keyed by id (a
+# tensor's == is elementwise, so tensors cannot be dict keys); an entry leaves with its master.
+# Weak both ways: nothing here keeps a master or a params buffer alive.
+_PARAMS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 _CONSUMED = "_fzero_consumed"
 _tickets = itertools.count(1)  # only compared for equality: any unique int would do
 
@@ -76,6 +103,20 @@ def mark(params: Any, master: torch.Tensor) -> None:
     ticket = next(_tickets)
     setattr(buf, _ATTR, Mark(ticket, buf._version, master._version))
     setattr(master, _TICKET, ticket)
+    key = id(master)
+    if key not in _PARAMS or _PARAMS[key][0]() is not master:
+        _PARAMS[key] = (weakref.ref(master, lambda _, key=key: _PARAMS.pop(key, None)), weakref.ref(buf))
+    else:
+        _PARAMS[key] = (_PARAMS[key][0], weakref.ref(buf))
+
+
+def params_of(master: torch.Tensor) -> torch.Tensor | None:
+    """The flat params buffer last marked with ``master``'s state (``[N*S]``, ``param_dtype``)
+    if it is still alive and was not marked with another state since; else ``None``."""
+    refs = _PARAMS.get(id(master))
+    buf = refs[1]() if refs is not None and refs[0]() is master else None
+    m: Mark | None = getattr(buf, _ATTR, None)
+    return buf if m is not None and m.ticket == getattr(master, _TICKET, None) else None
 
 
 def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> None:
@@ -83,10 +124,7 @@ def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> 
     or, with ``same_step``, if they were marked with another state (see the module doc)."""
     if compiling():
         return
-    if getattr(master, _CONSUMED, False):
-        raise ValueError(f"{where}: this state was donated to an earlier step (donate=True), which wrote its result "
-                         "into the same memory: pass the state that step returned (using it twice would apply "
-                         "another update, not repeat the first)")
+    refuse_consumed(master, where)
     buf = buffer_of(params)
     if buf is None:
         return
@@ -111,10 +149,71 @@ def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> 
             "state kept), or `engine.init(new_params)` for a fresh optimizer state.")
 
 
+def refuse_consumed(tree: Any, where: str) -> None:
+    """Raise (naming ``where``) if ``tree`` -- a ``ZeroState``, its master, or any pytree holding
+    one -- holds a state that a donating step consumed: its memory holds that step's results."""
+    if compiling():
+        return
+    leaves = (tree,) if isinstance(tree, torch.Tensor) else optree.tree_leaves(tree)
+    if any(getattr(x, _CONSUMED, False) for x in leaves):
+        raise ValueError(
+            f"{where}: this state was donated to an earlier step (donate=True), which wrote its result into the same "
+            "memory: it holds that step's values now, not its own. Pass the state that step returned (stepping this "
+            "one again would apply another update, not repeat the first); to keep a state past the next step (the "
+            "best so far, to export later), copy it before that step: kept = copy.deepcopy((params, state))")
+
+
+def consume(state: ZeroState) -> None:
+    """Mark ``state`` consumed: its memory goes on in another state (a donating step's)."""
+    if not compiling():
+        setattr(state.master, _CONSUMED, True)
+
+
 def hand_over(state):
     """A donated ``state`` (a NamedTuple with a ``master``), now holding the step's results, as
     the step's output: the same memory, a new master object; the given one is marked consumed."""
     if compiling():
         return state
-    setattr(state.master, _CONSUMED, True)
+    consume(state)
     return state._replace(master=state.master.view_as(state.master))
+
+
+def _transform_state(state: ZeroState, where: str) -> Any:
+    """``state.tx_state`` for ``transforms.get_hyperparams`` and friends, refused if consumed."""
+    refuse_consumed(state, where)
+    return state.tx_state
+
+
+register_holder(ZeroState, _transform_state)
+
+
+def checked_fp32_master(params: Any, state: ZeroState, engine, *, where: str) -> ZeroState:
+    """``engine.with_fp32_master(params, state, where=where)`` (``state`` with its FP32 ``[S]``
+    master), after checking the values: this rank's shard of ``params`` (the pytree or the flat
+    ``[N*S]`` buffer) must be that master cast to ``param_dtype``, bit for bit (NaN where it is
+    NaN), as every ``init``, ``step`` (skipped or not), ``load_params`` and load leave them. A
+    write no version counter saw (through ``.data``, a NumPy view, cloned params edited and
+    passed back) raises ``ParamsEditedError`` naming ``where``, each leaf and how many of its
+    elements differ. One pass over the ``[S]`` shard and one host sync: for checkpoint save and
+    export, not for every step."""
+    full = engine.with_fp32_master(params, state, where=where)
+    master, layout, rank = full.master, engine.layout, engine.comm.rank
+    leaves = engine.grad_path.check(params, "params")
+    leaves = [x.reshape(-1) for x in (leaf_views(params, layout) if leaves is None else leaves)]
+    want = cast_params(master, engine.param_dtype).to(engine.device)  # one copy where the state is offloaded
+    differ: dict[int, torch.Tensor] = {}  # leaf -> how many of its elements differ (a leaf is in one run)
+    for run in leaf_runs(layout, rank):
+        got = leaves[run.leaf][run.start : run.start + run.length]
+        cast = want[run.shard_at : run.shard_at + run.length]
+        differ[run.leaf] = ((got != cast) & ~(got.isnan() & cast.isnan())).sum()
+    counts = torch.stack(list(differ.values())).tolist() if differ else []  # the one host sync
+    edited = [f"{layout.paths[i]!r} ({n} of {layout.shapes[i].numel()} elements)" for i, n in zip(differ, counts) if n]
+    if edited:
+        raise ParamsEditedError(
+            f"{where}: the params differ from the master weights cast to {engine.param_dtype} (rank {rank}'s shard) "
+            f"in {', '.join(edited)}: they were written where no version counter saw it (through .data, a NumPy view, "
+            "cloned params edited and passed back in, a forward that writes weight.data). The master is the truth: "
+            "the next step would undo the write, and a save or export would store the master without it. To set "
+            "weights use `params, state = engine.load_params(state, values)` (values: the whole pytree, FP32 for "
+            "full precision; the optimizer state kept); to keep the master, pass the params the last step returned.")
+    return full

@@ -29,19 +29,33 @@ The kernels are ``native.cpp`` beside this file: ops registered with torch
 (``torch.ops.fzero_native``), no Python binding, so the build reads torch's op-registration and
 tensor headers, not all of ``torch/extension.h``. Compiled by ``torch.utils.cpp_extension`` at the
 first ``available()`` (an engine's ``init`` at world size 1, or the first eager norm of CPU grads)
-for the machine it runs on (``-march=native``, the extension named after the CPU's flags and
-torch's version), cached as torch caches extensions (``TORCH_EXTENSIONS_DIR``). Where it cannot be
-built (no compiler) or ``FZERO_NATIVE=0``, ``available()`` is ``False`` and the step runs
+for the machine it runs on (``-march=native``, the library named after the source, the flags, the
+CPU's flags and torch's version), and cached in ``fzero_native/`` under ``TORCH_EXTENSIONS_DIR``
+(torch's default when unset). One process at a time checks, builds and loads it, under an
+``flock`` on the library's ``.lock`` file, which the kernel drops when that process ends however
+it ends; the others wait for it at most ``FZERO_NATIVE_BUILD_TIMEOUT`` seconds (300). A build runs
+in a directory of its own and the library is renamed into place whole, its size and sha256
+recorded beside it (``.json``); a cached library is read and checked against that record before it
+is loaded (loading a truncated one kills the process with SIGBUS), and rebuilt where it differs.
+Where it cannot be built (no compiler), another process holds the lock past the timeout (warned,
+with the lock file's name) or ``FZERO_NATIVE=0``, ``available()`` is ``False`` and the step runs
 inductor's loops and torch's kernels instead.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import hashlib
+import json
 import os
 import platform
+import shutil
+import socket
+import tempfile
+import time
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -69,22 +83,159 @@ def _cpu_flags() -> str:
         return platform.processor() + platform.machine()
 
 
+# Seconds a process waits for another that holds the build's lock (FZERO_NATIVE_BUILD_TIMEOUT).
+_BUILD_TIMEOUT = 300.0
+
+_FALLBACK = "the step runs the compiled update instead"
+
+
+class _Files(NamedTuple):
+    """One build's files in ``<TORCH_EXTENSIONS_DIR>/fzero_native/``, each named ``name`` and a suffix."""
+    name: str     # fzero_native_ and a hash of the source, the flags, torch's version and the CPU's flags
+    lock: str     # flock-ed by the one process that checks, builds and loads the library
+    library: str  # renamed into place whole once built
+    record: str   # the library's {"size": bytes, "sha256": hex digest}, written after it
+
+
+def _files() -> _Files:
+    """The files of this source's build for this machine and torch."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    with open(_SOURCE) as f:
+        source = f.read()
+    key = hashlib.sha1("\n".join([source, " ".join(_FLAGS), torch.__version__, _cpu_flags()]).encode()).hexdigest()
+    name = f"fzero_native_{key[:16]}"
+    base = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), "fzero_native", name)
+    return _Files(name, base + ".lock", base + ".so", base + ".json")
+
+
+def _build_timeout() -> float:
+    """``FZERO_NATIVE_BUILD_TIMEOUT`` (seconds, ``>= 0``; ``inf`` waits for good), else 300."""
+    text = os.environ.get("FZERO_NATIVE_BUILD_TIMEOUT")
+    if text is None:
+        return _BUILD_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:
+        raise ValueError(f"FZERO_NATIVE_BUILD_TIMEOUT={text!r}: give the seconds a process waits for another's "
+                         f"build of fzero's CPU kernels, a number >= 0 (unset: {_BUILD_TIMEOUT:g})")
+    return seconds
+
+
+class _Busy(Exception):
+    """Another process held the build's lock past the timeout."""
+
+
+@contextlib.contextmanager
+def _locked(path: str, timeout: float):
+    """An exclusive ``flock`` on ``path`` (created), held in the block; the process that holds it
+    writes its pid and host there. Waits at most ``timeout`` seconds for the process holding it,
+    then raises ``_Busy``. The kernel drops the lock when the file is closed or its process ends,
+    however it ends (SIGTERM, SIGKILL): a killed build leaves no lock behind."""
+    import fcntl  # POSIX: elsewhere the ImportError is the reason the kernels are not built
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # held: flock has no timeout of its own, so poll it (as torch's FileBaton does)
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 256, 0).decode(errors="replace").split()
+                    who = f"process {holder[0]} on {holder[1]}" if len(holder) == 2 else "another process"
+                    raise _Busy(f"waited {timeout:g} s for {path}, locked by {who}, which builds or loads the CPU "
+                                f"kernels; {_FALLBACK} (the lock is gone when that process ends: let it finish or end "
+                                "it; FZERO_NATIVE_BUILD_TIMEOUT=<seconds> waits longer, FZERO_NATIVE=0 skips the "
+                                "kernels)") from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+def _digest(path: str) -> dict:
+    """``{"size": bytes, "sha256": hex digest}`` of the file at ``path``, read (never mapped)."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": sha.hexdigest()}
+
+
+def _whole(files: _Files) -> bool:
+    """Whether the cached library is there and is the one its record describes (a damaged one:
+    warned of, for a rebuild). Checked by reading it, before any load: loading a truncated
+    library faults on the pages past its end (SIGBUS), where no exception can be caught."""
+    if not os.path.exists(files.library):
+        return False
+    got = _digest(files.library)
+    try:
+        with open(files.record) as f:
+            want = json.load(f)
+    except (OSError, ValueError):  # none, or cut short: a build killed between the two renames
+        want = None
+    if got == want:
+        return True
+    why = ("no record of it" if not isinstance(want, dict) else
+           f"{got['size']} bytes where {want.get('size')} were built" if got["size"] != want.get("size") else
+           "its sha256 differs from the built one's")
+    warnings.warn(f"fzero.native: the cached CPU kernels {files.library} are damaged ({why}); rebuilding them",
+                  RuntimeWarning, stacklevel=4)
+    return False
+
+
+def _build(files: _Files) -> None:
+    """Builds and loads the library in a new directory beside the cache, then renames it into
+    place and writes its record. Called with the lock held: the directories of earlier builds
+    are those of killed processes (a truncated library that ninja would take for up to date,
+    torch's ``lock`` file that would hold ``cpp_extension.load`` forever), removed first."""
+    from torch.utils.cpp_extension import load
+
+    prefix = files.library[:-len(".so")] + ".build-"
+    for killed in glob.glob(glob.escape(prefix) + "*"):
+        shutil.rmtree(killed, ignore_errors=True)
+    stage = tempfile.mkdtemp(prefix=os.path.basename(prefix), dir=os.path.dirname(prefix))
+    try:
+        load(files.name, sources=[_SOURCE], extra_cflags=_FLAGS, build_directory=stage, is_python_module=False,
+             verbose=False)
+        built, = glob.glob(os.path.join(glob.escape(stage), "*.so"))  # name_v1.so where this process built it before
+        record = os.path.join(stage, "record")
+        with open(record, "w") as f:
+            json.dump(_digest(built), f)
+        os.replace(built, files.library)  # the inode torch loaded: the cached library is the loaded one
+        os.replace(record, files.record)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 @functools.cache
 def _module():
     """The built kernels' ops (``torch.ops.fzero_native``), or ``None`` where they cannot be
-    built (warned once)."""
+    built or loaded, or another process builds them past the timeout (warned once)."""
     if os.environ.get("FZERO_NATIVE", "1") == "0":
         return None
-    from torch.utils.cpp_extension import load
-
+    timeout = _build_timeout()
     try:  # a library of ops, not a Python module: loaded by torch.ops.load_library
-        with open(_SOURCE) as f:
-            source = f.read()
-        key = hashlib.sha1("\n".join([source, " ".join(_FLAGS), torch.__version__, _cpu_flags()]).encode()).hexdigest()
-        load(f"fzero_native_{key[:16]}", sources=[_SOURCE], extra_cflags=_FLAGS, is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, one that rejects the flags, no source
-        warnings.warn(f"fzero.native: the CPU AdamW kernel could not be built ({type(e).__name__}: {e}); "
-                      "the step runs the compiled update instead", RuntimeWarning, stacklevel=3)
+        files = _files()
+        os.makedirs(os.path.dirname(files.lock), exist_ok=True)
+        with _locked(files.lock, timeout):
+            if _whole(files):
+                torch.ops.load_library(files.library)
+            else:
+                _build(files)
+    except _Busy as e:
+        warnings.warn(f"fzero.native: {e}", RuntimeWarning, stacklevel=3)
+        return None
+    except Exception as e:  # no compiler, one that rejects the flags, no source, an unwritable cache
+        warnings.warn(f"fzero.native: the CPU kernels could not be built or loaded ({type(e).__name__}: {e}); "
+                      f"{_FALLBACK}", RuntimeWarning, stacklevel=3)
         return None
     return torch.ops.fzero_native
 

@@ -14,6 +14,6 @@ def functional(module):
     fm = fzero.module.functional(module)
 
     def apply(params, *args, **kwargs):
-        return fm.apply(params, dict(module.named_buffers()), *args, **kwargs)[0]
+        return fm.apply(params, fm.buffers, *args, **kwargs)[0]
 
     return fm.params, apply

@@ -451,15 +451,16 @@ def edit_manifest(path, edit):
         json.dump(p, f)
 
 
-def tagged(state, ss, tag):
-    """``state``/``ss`` with every part saying ``tag``: master and moments filled with it, both
-    counts equal to it, weight decay ``tag / 100``, loss scale ``tag + 1``."""
+def tagged(params, state, ss, tag):
+    """``(params, state, ss)`` with every part saying ``tag``: params, master and moments filled
+    with it (the params the master's cast, as a save checks: a small integer is exact in any
+    dtype), both counts equal to it, weight decay ``tag / 100``, loss scale ``tag + 1``."""
     adam, decay, sched = state.tx_state
     count = torch.tensor(tag, dtype=torch.int32)
     adam = adam._replace(count=count, mu=torch.full_like(adam.mu, tag), nu=torch.full_like(adam.nu, tag))
     decay = decay._replace(inner=decay.inner._replace(weight_decay=torch.tensor(tag / 100, dtype=torch.float64)))
     state = fzero.ZeroState(torch.full_like(state.master, tag), (adam, decay, sched._replace(count=count)))
-    return state, ss._replace(scale=torch.tensor(tag + 1.0))
+    return optree.tree_map(lambda p: torch.full_like(p, tag), params), state, ss._replace(scale=torch.tensor(tag + 1.0))
 
 
 def mixed_parts(engine, state, ss, extra):

@@ -165,3 +165,53 @@ def test_save_on_one_rank_only_ends_both_ranks_naming_the_call(tmp_path):
     assert "reduce_scatter of grads" in msg1  # rank 0 gave up and left: rank 1's collective ends too
     assert t0 < SHORT + 10 and t1 < SHORT + 20
     assert not (tmp_path / "ck").exists()  # nothing written
+
+
+def save_on_rank_0_only_then_exit(rank, world_size, tmp):
+    """Rank 0 saves under ``if rank == 0:`` (and exits when the save gives up); rank 1 goes on to
+    its step, whose reduce-scatter then fails: its message names what rank 0 was in."""
+    import os
+
+    from distributed import init_group
+
+    init_group(rank, world_size, timeout=20)
+    eng = engine(call_timeout=SHORT)
+    p, state, ss = eng.init(params())
+    if rank == 0:
+        try:
+            fzero.checkpoint.save(os.path.join(tmp, "ckpt"), p, state, ss, eng)
+        finally:
+            os._exit(3)
+    try:
+        eng.step(p, {"w": torch.ones(40, 3), "b": torch.ones(3)}, state, ss)
+    except fzero.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multirank
+def test_a_peer_stuck_in_a_call_made_on_its_rank_only_is_named_by_the_failed_collective(tmp_path):
+    out = run_ranks(save_on_rank_0_only_then_exit, 2, str(tmp_path), init=False, may_die=(0,), timeout=120)
+    assert "reduce_scatter of grads" in out[1] and "Meanwhile rank 0 is in checkpoint.save" in out[1], out[1]
+    assert "under `if rank == 0:`" in out[1], out[1]
+
+
+def module_state_dict_on_rank_0_only(rank, world_size):
+    """``fm.state_dict(..., engine=, state=)`` (collective) under ``if rank == 0:``."""
+    fm = fzero.module.functional(torch.nn.Linear(3, 2))
+    eng = engine(call_timeout=120)
+    p, state, _ = eng.init(fm.params)
+    try:
+        if rank == 0:
+            fm.state_dict(p, fm.buffers, engine=eng, state=state)
+        fzero.shutdown(timeout=120)
+    except fzero.CollectiveError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.multirank
+def test_a_module_state_dict_on_some_ranks_only_names_the_call_the_user_made():
+    for msg in run_ranks(module_state_dict_on_rank_0_only, 2, may_die=(0, 1)):
+        assert msg.startswith("fzero: ranks are in different collective calls: fzero.module state_dict/load_into on "
+                              "rank 0; fzero.shutdown on rank 1"), msg

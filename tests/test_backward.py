@@ -4,7 +4,8 @@ Same results as differentiating the scaled loss and reducing in ``step`` (bitwis
 and 3 ranks, bucketed or not, FP32 or FP16 reduce; the grad function applies the loss scale
 itself; the collectives really start before backward ends and are waited only after it; unused
 leaves count as zero, a loss no leaf reaches raises; micro-batches before the last communicate
-nothing at stage 1 (``no_sync``) and sum to the big batch's step; errors name what is wrong.
+nothing at stage 1 (``no_sync``), and with ``loss / MICRO`` step like the big batch and like DDP's
+``no_sync`` with ``torch.optim.AdamW``; errors name what is wrong.
 """
 
 import optree
@@ -248,24 +249,72 @@ def test_a_leaf_unused_on_one_rank_only_reduces_like_zero_grads(b_rows):
 
 
 MICRO, ROWS = 3, 4  # micro-batches per step, rows per micro-batch
+LR, WD = 1e-2, 0.1
+
+
+def rows(rank, step):
+    """This rank's MICRO * ROWS rows of step ``step``."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(MICRO * ROWS, DIMS[0], generator=g), torch.randn(MICRO * ROWS, DIMS[-1], generator=g)
+
+
+def micro_loss(params, part):
+    """A micro-batch's loss divided by MICRO: the whole batch's mean once summed (DDP's habit)."""
+    return mlp.loss(params, part) / MICRO
+
+
+class LossModule(torch.nn.Module):
+    """``loss_fn(params, batch)`` as an ``nn.Module`` that holds the params' leaves, for DDP."""
+
+    def __init__(self, params, loss_fn):
+        super().__init__()
+        leaves, self.spec = optree.tree_flatten(params)
+        self.leaves = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in leaves])
+        self.loss_fn = loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.spec.unflatten(list(self.leaves)), batch)
+
+
+def ddp_no_sync(rank, p0):
+    """The reference: DDP + ``torch.optim.AdamW`` on the same micro-batches, ``loss / MICRO``
+    backward under ``no_sync`` for all but the last; the global grad norm of each step and the
+    params at the end, flat in ``fzero.flat``'s leaf order."""
+    net = LossModule(p0, micro_loss)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    for step in range(STEPS):
+        x, y = rows(rank, step)
+        opt.zero_grad()
+        for m in range(MICRO):
+            part = x[m * ROWS : (m + 1) * ROWS], y[m * ROWS : (m + 1) * ROWS]
+            if m < MICRO - 1:
+                with ddp.no_sync():  # .grad sums this rank's micro-batches
+                    ddp(part).backward()
+            else:  # all-reduced: the mean over ranks of the sum
+                ddp(part).backward()
+        norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()])))
+        opt.step()
+    return net.spec.unflatten([p.detach() for p in net.leaves]), torch.stack(norms)
 
 
 def micro_batches_or_one_big_batch(rank, world_size, stage):
     """STEPS steps on the same rows per rank: one batch of MICRO * ROWS rows, or MICRO
-    micro-batches (``no_sync`` then ``sync``); the collectives each grad call issues."""
+    micro-batches of ``micro_loss`` (``no_sync`` then ``sync``); the collectives each grad call
+    issues; and DDP's ``no_sync`` on the same micro-batches (``ddp_no_sync``)."""
     calls = []
     comm = counting_comm(calls)
     p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
     out = {}
     for mode in ("big", "micro"):
-        engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=torch.float32,
+        engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WD), param_dtype=torch.float32,
                              bucket_bytes=256, stage=stage, group=comm)
         params, state, ss = engine.init(p0)
-        gv = engine.grad_and_value(mlp.loss)
+        gv = engine.grad_and_value(mlp.loss if mode == "big" else micro_loss)
         issued, losses, norms = [], [], []
         for step in range(STEPS):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            x, y = torch.randn(MICRO * ROWS, DIMS[0], generator=g), torch.randn(MICRO * ROWS, DIMS[-1], generator=g)
+            x, y = rows(rank, step)
             if mode == "big":
                 calls.clear()
                 grads, loss = gv(params, ss, (x, y))
@@ -280,27 +329,33 @@ def micro_batches_or_one_big_batch(rank, world_size, stage):
                     else:
                         grads, value = gv.sync(acc, params, ss, part)
                     issued.append([name for name, _ in calls])
-                    loss = loss + value / MICRO
+                    loss = loss + value  # each already divided by MICRO
             losses.append(loss)
             params, state, ss, info = engine.step(params, grads, state, ss)
             norms.append(info["grad_norm"])
         out[mode] = {"params": fzero.flatten(params, engine.layout), "master": state.master, "issued": issued,
                      "loss": torch.stack(losses), "norm": torch.stack(norms)}
     out["buckets"] = len(engine.layout.buckets)
+    ddp_params, ddp_norms = ddp_no_sync(rank, p0)
+    out["ddp"] = {"params": fzero.flatten(ddp_params, engine.layout), "norm": ddp_norms}
     return out
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage", [1, 2])
-def test_micro_batches_step_like_one_big_batch_and_stage_1_communicates_only_the_last(stage):
-    """The step takes the mean over micro-batches (the loss is not divided by their count); at
-    stage 1 the micro-batches before the last issue no collective (DDP's ``no_sync``) and the
-    last issues one reduce-scatter per bucket; stage 2 reduces every micro-batch."""
+def test_micro_batches_step_like_one_big_batch_and_ddp_and_stage_1_communicates_only_the_last(stage):
+    """The step applies the sum of the micro-batches' grads, each the mean over ranks, as DDP's
+    ``no_sync`` does: with each micro-batch's loss divided by MICRO (torch's habit), the grads'
+    norm (which clipping reads) and the params after AdamW steps are the big batch's and those
+    of DDP + ``torch.optim.AdamW``. At stage 1 the micro-batches before the last issue no
+    collective and the last one reduce-scatter per bucket; stage 2 reduces every micro-batch."""
     for r in run_ranks(micro_batches_or_one_big_batch, 2, stage):
-        big, micro, n = r["big"], r["micro"], r["buckets"]
+        big, micro, ddp, n = r["big"], r["micro"], r["ddp"], r["buckets"]
         assert n > 1
         for key in ("params", "master", "loss", "norm"):
             torch.testing.assert_close(micro[key], big[key], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(micro["norm"], ddp["norm"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(micro["params"], ddp["params"], rtol=1e-5, atol=1e-6)
         assert big["issued"] == [["reduce_scatter"] * n] * STEPS
         last = ["reduce_scatter"] * n
         assert micro["issued"] == ([[] if stage == 1 else last] * (MICRO - 1) + [last]) * STEPS

@@ -304,8 +304,9 @@ def test_save_refuses_params_of_another_step_or_edited_and_writes_nothing(tmp_pa
     if master == "remainder":
         with pytest.raises(ck.CheckpointError, match="checkpoint.save: these params were not written together with this state"):
             ck.save(path, params0, state, ss, engine)
-    else:  # the FP32 master does not read them
-        ck.save(str(tmp_path / "other"), params0, state, ss, engine)
+    else:  # the FP32 master does not read them, but they are not its cast (lineage.checked_fp32_master)
+        with pytest.raises(ck.CheckpointError, match="checkpoint.save: the params differ from the master weights"):
+            ck.save(str(tmp_path / "other"), params0, state, ss, engine)
     with torch.no_grad():
         params["w"].zero_()
     with pytest.raises(ck.CheckpointError, match="checkpoint.save: the params were written in place"):

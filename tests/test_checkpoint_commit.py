@@ -230,13 +230,13 @@ def race_save_and_load(rank, world_size, tmp):
     engine = ckpt_engine()
     params, state, ss = engine.init(ckpt_params())
     if rank == 0:
-        ck.save(path, params, *tagged(state, ss, 0), engine, extra={"tag": 0})
+        ck.save(path, *tagged(params, state, ss, 0), engine, extra={"tag": 0})
         deadline = time.monotonic() + 60
         while not os.path.exists(ready) and time.monotonic() < deadline:
             time.sleep(0.01)
         tag, start = 1, time.monotonic()
         while tag < 3 or (tag < RACE_SAVES and time.monotonic() - start < RACE_SECONDS):
-            ck.save(path, params, *tagged(state, ss, tag), engine, extra={"tag": tag})
+            ck.save(path, *tagged(params, state, ss, tag), engine, extra={"tag": tag})
             tag += 1
         # Written aside and renamed into place: the loader takes ``done`` existing as the end and
         # reads it at once, and an ``open(done, "w")`` is visible, empty, before it is written.

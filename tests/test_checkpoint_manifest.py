@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from fzero import checkpoint as ck
+from fzero.checkpoint import commit
+from fzero.checkpoint.strict_json import MAX_DEPTH
 from helpers import CKPT_ONE, ckpt_entries, ckpt_fresh_engine, edit_manifest, snapshot_dir
 
 
@@ -110,6 +112,9 @@ BAD_MANIFESTS = {
     "numel": (set_at(445, "layout", "numel"), r"layout\.numel = 445: must be 446"),
     "world size": (set_at(0, "world_size"), r"world_size = 0: must be >= 1"),
     "step": (set_at(-3, "step"), r"step = -3: must be >= 0"),
+    "step without extra.step": (set_at(7, "step"), r"step = 7: must be extra\.step \(None\), as a save writes it"),
+    "extra.step string": (lambda m: m.update(step=7, extra={"step": "7"}), r"extra\.step = '7': must be an integer"),
+    "extra.step other": (lambda m: m.update(step=7, extra={"step": 8}), r"step = 7: must be extra\.step \(8\)"),
     "extra": (set_at([1], "extra"), r"extra = \[1\]: must be a JSON object"),
     "missing field": (lambda m: m.pop("files"), r"files is missing"),
 }
@@ -158,3 +163,38 @@ def test_save_refuses_what_load_would_refuse(saved):
     # nothing was committed, no snapshot left behind
     assert ckpt_entries(path) == CKPT_ONE
     assert ck.load(path, ckpt_fresh_engine())[3] == {"epoch": 1, "seen": [1, 2]}
+
+
+def nested(depth):
+    """A list nested ``depth`` deep (``[[]]`` is 2), built without recursion."""
+    x = []
+    for _ in range(depth - 1):
+        x = [x]
+    return x
+
+
+def test_json_nested_too_deep_is_refused_naming_the_file(saved):
+    """Checked before parsing: a crafted manifest or pointer nested 200,000 deep is one
+    CheckpointError naming the file (never a RecursionError); save refuses an ``extra`` that
+    would nest the manifest deeper than a load reads, and keeps one that does not."""
+    path, engine, params, state, ss = saved
+    deep = "[" * 200_000 + "]" * 200_000
+    edit_manifest(path, lambda text: text.replace('"extra": {', f'"extra": {{"deep": {deep}, ', 1))
+    name = os.path.basename(snapshot_dir(path))
+    for read in (lambda: ck.read_manifest(path), lambda: ck.load(path, ckpt_fresh_engine()), lambda: ck.recover(path, name)):
+        with pytest.raises(ck.CheckpointError, match=rf"cannot read .*/{name}/manifest\.json: arrays or objects nested "
+                                                     rf"more than {MAX_DEPTH} deep"):
+            read()
+    with open(os.path.join(path, commit.POINTER), "w") as f:
+        f.write("{" + '"a":{' * 200_000 + "}" * 200_001)
+    with pytest.raises(ck.CheckpointError, match=rf"current\.json is damaged \(cannot read .*current\.json: arrays or "
+                                                 rf"objects nested more than {MAX_DEPTH} deep"):
+        ck.read_manifest(path)
+
+    fresh = str(os.path.join(os.path.dirname(path), "fresh"))
+    for depth in (MAX_DEPTH, 5000, 200_000):  # extra nests depth deep, the manifest one more; deeper than Python recurses
+        with pytest.raises(ck.CheckpointError, match=rf"extra nests lists or dicts more than {MAX_DEPTH - 1} deep"):
+            ck.save(fresh, params, state, ss, engine, extra={"d": nested(depth - 1)})
+    assert not os.path.exists(fresh)  # refused before anything was written
+    ck.save(fresh, params, state, ss, engine, extra={"d": nested(MAX_DEPTH - 2)})  # the manifest: MAX_DEPTH deep
+    assert ck.load(fresh, ckpt_fresh_engine())[3] == {"d": nested(MAX_DEPTH - 2)}

@@ -223,10 +223,10 @@ def test_changing_lr_between_steps_takes_effect():
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.float32])
-def test_accumulation_equals_one_step_on_the_mean_and_skips_whole_update_on_overflow(param_dtype):
+def test_accumulation_equals_one_step_on_the_sum_and_skips_whole_update_on_overflow(param_dtype):
     p0 = odd_params()
     micro = [optree.tree_map(lambda g: g.to(param_dtype), grads_like(p0, i)) for i in range(4)]
-    mean = optree.tree_map(lambda *gs: torch.stack([g.float() for g in gs]).mean(0), *micro)
+    total = optree.tree_map(lambda *gs: torch.stack([g.float() for g in gs]).sum(0), *micro)  # as DDP's no_sync
     loss_scale = fzero.StaticLossScale(1.0) if param_dtype == torch.float16 else None
     engine = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=param_dtype, loss_scale=loss_scale)
     params, state, ss = engine.init(p0)
@@ -237,8 +237,9 @@ def test_accumulation_equals_one_step_on_the_mean_and_skips_whole_update_on_over
     params1, state1, _, info = engine.step(params, acc, state, ss)
     ref = fzero.zero1(transforms.adamw(lr=1e-2), param_dtype=torch.float32, loss_scale=None)
     rp, rs, rss = ref.init(p0)
-    _, rs, _, _ = ref.step(rp, mean, rs, rss)
+    _, rs, _, ref_info = ref.step(rp, total, rs, rss)
     torch.testing.assert_close(state1.master, rs.master, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(info["grad_norm"], ref_info["grad_norm"], rtol=1e-6, atol=0)  # the sum's, not the mean's
     # an inf in one micro-batch skips the whole update
     bad = optree.tree_map(torch.clone, micro[1])
     bad["one"][0] = float("inf")

@@ -17,7 +17,8 @@ def rank_grads(p0, step, rank):
 
 
 def train(rank, world_size, param_dtype, reduce_dtype):
-    p0 = odd_params()
+    # Each rank builds its own weights (a seed per rank): every rank trains rank 0's, as under DDP.
+    p0 = odd_params(seed=rank)
     engine = fzero.zero1(
         transforms.adamw(lr=1e-2, weight_decay=0.1),
         param_dtype=param_dtype,
@@ -27,7 +28,7 @@ def train(rank, world_size, param_dtype, reduce_dtype):
     params, state, ss = engine.init(p0)
     infos = []
     for step in range(STEPS):
-        grads = optree.tree_map(lambda g: (g * 4.0).to(param_dtype), rank_grads(p0, step, rank))
+        grads = optree.tree_map(lambda g: (g * 4.0).to(param_dtype), rank_grads(odd_params(), step, rank))
         if step == BAD_STEP and rank == 1:
             grads["w"][2, 3] = float("inf")
         params, state, ss, info = engine.step(params, grads, state, ss)

@@ -38,8 +38,8 @@ def rank_grads(step, rank):
 
 
 def train_on_mesh(rank, world_size, replicas, shards, options):
-    # Ranks of the other replicas start from other params: init takes the first replica's.
-    p0 = odd_params(seed=0 if rank < shards else 1)
+    # Every rank but rank 0 (replica 0, shard 0) starts from other params: init takes rank 0's.
+    p0 = odd_params(seed=rank)
     engine = fzero.zero1(clipped_tx(), param_dtype=torch.float32, loss_scale=fzero.StaticLossScale(SCALE),
                          bucket_bytes=64, mesh=mesh_of(replicas, shards), **options)
     params, state, ss = engine.init(p0)
@@ -48,8 +48,9 @@ def train_on_mesh(rank, world_size, replicas, shards, options):
         grads = optree.tree_map(lambda g: g * SCALE, rank_grads(step, rank))
         if step == BAD_STEP and rank == BAD_RANK:
             grads["w"][1, 2] = float("inf")
-        if options.get("stage") == 2:  # two micro-batches of the same grads: their mean is the grads
-            grads = engine.accumulate(engine.accumulate(None, grads), grads)
+        if options.get("stage") == 2:  # two micro-batches of loss / 2 (DDP's habit): their sum is the grads
+            half = optree.tree_map(lambda g: g / 2, grads)
+            grads = engine.accumulate(engine.accumulate(None, half), half)
         params, state, ss, info = engine.step(params, grads, state, ss)
         found.append(bool(info["found_inf"]))
         norms.append(info["grad_norm"])

@@ -1,4 +1,5 @@
-"""The gradient forms of ``fzero.grads``: ``Segments`` read chunk by chunk, and their norms."""
+"""The gradient forms of ``fzero.grads``: ``Segments`` read chunk by chunk, and their norms;
+micro-batches summed as DDP sums them (``loss / ACCUM`` steps like one batch and like torch)."""
 import math
 
 import optree
@@ -8,6 +9,7 @@ import torch
 import fzero
 from fzero import transforms
 from fzero.flat import flatten
+from fzero.models import mlp
 from fzero.update import sum_of_squares
 
 from helpers import odd_params
@@ -84,3 +86,67 @@ def test_sum_of_squares_of_bf16_and_fp32_grads_spans_their_whole_range(compiled,
         g[300] = bad
         got = float(f(g))
         assert math.isnan(got) if math.isnan(bad) else got == math.inf, (bad, got)
+
+
+ACCUM, ROWS, DIMS = 2, 5, (8, 32, 32, 4)  # micro-batches per step, rows per micro-batch, the MLP
+OPTIMIZERS = {  # the fzero transform and the torch.optim one with the same hyperparameters
+    "adamw": (lambda: transforms.adamw(lr=1e-2, weight_decay=0.1),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "sgd": (lambda: transforms.sgd(lr=0.1, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+}
+
+
+def torch_accumulated_step(p0, micro_batches, make_optimizer, max_norm):
+    """torch's loop, the reference: ``(loss / ACCUM).backward()`` per micro-batch (``.grad`` sums
+    them, as under DDP's ``no_sync`` on one rank), ``clip_grad_norm_``, one optimizer step.
+    Returns ``(grads, norm before clipping, params after the step)``, pytrees like ``p0``."""
+    leaves, spec = optree.tree_flatten(p0)
+    ps = [torch.nn.Parameter(p.clone()) for p in leaves]
+    optimizer = make_optimizer(ps)
+    for b in micro_batches:
+        (mlp.loss(spec.unflatten(ps), b) / ACCUM).backward()
+    grads = spec.unflatten([p.grad.clone() for p in ps])
+    norm = torch.nn.utils.clip_grad_norm_(ps, max_norm)
+    optimizer.step()
+    return grads, norm, spec.unflatten([p.detach() for p in ps])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_micro_batches_of_loss_over_accum_step_like_one_batch_and_like_torch(optimizer, stage):
+    """The step applies the sum of the micro-batches' grads (DDP's semantics), so torch's habit,
+    each micro-batch's loss divided by ACCUM, gives the grads of the whole batch's mean loss: the
+    same grads, norm (which clipping reads) and step as one batch, and as torch's loop -- through
+    ``no_sync``/``sync`` and through ``engine.accumulate``. A mean over micro-batches would halve
+    the grads and the norm, and the SGD step."""
+    p0 = mlp.init(torch.Generator().manual_seed(0), DIMS)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(ACCUM * ROWS, DIMS[0], generator=g), torch.randn(ACCUM * ROWS, DIMS[-1], generator=g)
+    micro = [(x[m * ROWS : (m + 1) * ROWS], y[m * ROWS : (m + 1) * ROWS]) for m in range(ACCUM)]
+    # clipping on, at 3/4 of the batch's grad norm: the threshold means what it means in torch
+    max_norm = 0.75 * float(transforms.global_norm(torch.func.grad(mlp.loss)(p0, (x, y))))
+    make_tx, make_optimizer = OPTIMIZERS[optimizer]
+    want_grads, want_norm, want_params = torch_accumulated_step(p0, micro, make_optimizer, max_norm)
+    part_loss = lambda p, b: mlp.loss(p, b) / ACCUM  # noqa: E731
+
+    for route in ("one batch", "no_sync", "accumulate"):
+        tx = transforms.chain(transforms.clip_by_global_norm(max_norm), make_tx())
+        engine = fzero.zero1(tx, param_dtype=torch.float32, loss_scale=None, stage=stage)
+        params, state, ss = engine.init(p0)
+        if route == "one batch":
+            grads, _ = engine.grad_and_value(mlp.loss)(params, ss, (x, y))
+        elif route == "no_sync":
+            gv = engine.grad_and_value(part_loss)
+            acc, _ = gv.no_sync(None, params, ss, micro[0])
+            grads, _ = gv.sync(acc, params, ss, micro[1])
+        else:  # torch.func's grads, summed
+            grads = None
+            for b in micro:
+                grads = engine.accumulate(grads, torch.func.grad(part_loss)(params, b))
+        assert grads.count.item() == (1 if route == "one batch" else ACCUM), route  # reported, not divided by
+        # one rank: the reduced shard is the whole flat grads
+        torch.testing.assert_close(grads.grads, flatten(want_grads, engine.layout), rtol=1e-5, atol=1e-7)
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        torch.testing.assert_close(info["grad_norm"], want_norm, rtol=1e-5, atol=0)
+        for got, want in zip(optree.tree_leaves(params), optree.tree_leaves(want_params)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -45,15 +45,40 @@ class Encoder(nn.Module):
         return self.head(self.encoder(self.embed(x), src_key_padding_mask=padding_mask).mean(1))
 
 
+class TinyLM(nn.Module):
+    """What a transformer fine-tune brings: token embeddings tied to the output layer, a frozen
+    first block, and the blocks under activation checkpointing (non-reentrant, what DDP
+    supports). Predicts the first token from the mean of the last block's states; no biases and
+    no dropout, as ``Encoder``."""
+
+    def __init__(self, vocab: int = 8, dim: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, 2, dim_feedforward=32, dropout=0.0, batch_first=True,
+                                                               bias=False) for _ in range(3))
+        self.blocks[0].requires_grad_(False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.head(h.mean(1))
+
+
 def data(kind: str, step: int, n: int = BATCH):
     g = torch.Generator().manual_seed(step)
+    if kind == "lm":
+        ids = torch.randint(8, (n, 5), generator=g)
+        return ids, ids[:, 0]
     x = torch.randn(n, 1, 8, 8, generator=g) if kind.startswith("cnn") else torch.randn(n, 5, 6, generator=g)
     return x, x.flatten(1)[:, :4].argmax(1)
 
 
 def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    return {"cnn": cnn, "cnn-plain": lambda: cnn(affine=False), "encoder": Encoder}[kind]()
+    return {"cnn": cnn, "cnn-plain": lambda: cnn(affine=False), "encoder": Encoder, "lm": TinyLM}[kind]()
 
 
 def cross_entropy(fm):
@@ -88,7 +113,7 @@ def train_fzero(net, kind, rank, world):
 def train_ddp(net, kind, rank, world, autocast: bool):
     """The same with DDP + torch.optim.AdamW (FP32 params), under ``torch.autocast(bfloat16)``."""
     model = nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     torch.manual_seed(100 + rank)
     losses = []
@@ -124,7 +149,7 @@ def distance(a: dict, b: dict) -> float:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["cnn-plain", "cnn", "encoder"])
+@pytest.mark.parametrize("kind", ["cnn-plain", "cnn", "encoder", "lm"])
 def test_two_ranks_bf16_equal_ddp_with_autocast(kind):
     out = run_ranks(fzero_and_ddp, 2, kind)
     r0 = out[0]
@@ -188,7 +213,7 @@ def test_apply_equals_the_net_and_leaves_its_inputs_alone():
     torch.testing.assert_close(out, ref(x), rtol=0, atol=0)  # the same dropout mask too
     for k, v in ref.named_buffers():  # the forward's in-place updates come back...
         assert torch.equal(new[k], v), k
-        assert torch.equal(fm.buffers[k], before[k]) and torch.equal(net.get_buffer(k), before[k]), k  # ...not in place
+        assert torch.equal(fm.buffers[k], before[k]), k  # ...not in place (fm.buffers: the net's own memory)
     assert int(new["1.num_batches_tracked"]) == 1 and not torch.equal(new["1.running_mean"], before["1.running_mean"])
 
 
@@ -246,16 +271,17 @@ class Tied(nn.Module):
 def test_a_tied_param_is_one_leaf_used_in_both_places_and_written_under_both_names():
     torch.manual_seed(0)
     net = Tied()
+    ref = copy.deepcopy(net)
     fm = fzero.module.functional(net)
     assert list(fm.params) == ["embed.weight"]
     ids = torch.tensor([0, 3, 1])
     grads = torch.func.grad(lambda p: fm.apply(p, fm.buffers, ids)[0].square().sum())(fm.params)
-    net(ids).square().sum().backward()
-    torch.testing.assert_close(grads["embed.weight"], net.embed.weight.grad)  # the sum over both uses
+    ref(ids).square().sum().backward()
+    torch.testing.assert_close(grads["embed.weight"], ref.embed.weight.grad)  # the sum over both uses
     engine = fzero.zero1(transforms.adamw(lr=0.1), param_dtype=BF16)
     params, state, _ = engine.init(fm.params)
     sd = fm.state_dict(params, fm.buffers, engine=engine, state=state)
-    assert list(sd) == list(net.state_dict()) == ["embed.weight", "head.weight"]
+    assert list(sd) == list(ref.state_dict()) == ["embed.weight", "head.weight"]
     assert torch.equal(sd["embed.weight"], sd["head.weight"])
 
 
@@ -346,3 +372,150 @@ def test_broadcast_buffers_gives_every_rank_rank_0s(world, replicas):
             assert r["out"][k].dtype == v.dtype and torch.equal(r["out"][k], v), k
         if replicas:  # one broadcast per dtype (float32, int64, bfloat16) in each group
             assert r["counts"] == {("broadcast", "shard"): [3, 4 * 7 + 8 + 4], ("broadcast", "replicate"): [3, 4 * 7 + 8 + 4]}
+
+
+# ---------------------------------------------------------------------------- torch habits
+class Checkpointed(nn.Module):
+    """An input layer, a body run under ``torch.utils.checkpoint`` (``reentrant``: None runs it
+    plainly) and a head; ``freeze`` turns off the input layer's ``requires_grad``."""
+
+    def __init__(self, reentrant=None, freeze=False):
+        super().__init__()
+        self.reentrant = reentrant
+        self.a = nn.Linear(8, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+        self.a.requires_grad_(not freeze)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.reentrant is None:
+            return self.head(self.body(h))
+        return self.head(torch.utils.checkpoint.checkpoint(self.body, h, use_reentrant=self.reentrant))
+
+
+def regression(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+
+
+def train_checkpointed(net, dtype, steps=4):
+    """``steps`` of fzero AdamW on ``net``: ``(grad norms, fm, params, state, engine)``."""
+    fm = fzero.module.functional(net)
+    engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=WD), param_dtype=dtype, loss_scale=None)
+    params, state, ss = engine.init(fm.params)
+    grad_fn = engine.grad_and_value(lambda p, x, y: F.mse_loss(fm.apply(p, fm.buffers, x)[0].float(), y))
+    norms = []
+    for step in range(steps):
+        grads, _ = grad_fn(params, ss, *regression(step))
+        params, state, ss, info = engine.step(params, grads, state, ss)
+        norms.append(info["grad_norm"])
+    return torch.stack(norms), fm, params, state, engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_grads_of_the_net_without_it(dtype, reentrant):
+    """The recomputation inside backward sees the params ``apply`` was given (not the net's own
+    weights): the same grads, bit for bit, as the same net without checkpointing."""
+    torch.manual_seed(0)
+    plain = Checkpointed()
+    ckpt = copy.deepcopy(plain)
+    ckpt.reentrant = reentrant
+    want, *_ = train_checkpointed(plain, dtype)
+    got, *_ = train_checkpointed(ckpt, dtype)
+    assert torch.equal(got, want), (got, want)
+
+
+def test_frozen_params_are_not_trained_and_hold_no_state_as_torch_optim():
+    torch.manual_seed(0)
+    net = Checkpointed(freeze=True)
+    ref = copy.deepcopy(net)
+    frozen = {k: v.clone() for k, v in net.a.state_dict().items()}
+    _, fm, params, state, engine = train_checkpointed(net, torch.float32)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=WD)
+    for step in range(4):
+        x, y = regression(step)
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    assert sorted(fm.params) == ["body.0.bias", "body.0.weight", "body.2.bias", "body.2.weight", "head.bias", "head.weight"]
+    assert sorted(fm.frozen) == ["a.bias", "a.weight"]
+    assert engine.layout.numel == sum(p.numel() for p in ref.parameters() if p.requires_grad)  # no state for them
+    fm.load_into(params, fm.buffers, engine=engine, state=state)
+    for k, v in net.state_dict().items():
+        torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert all(torch.equal(net.a.state_dict()[k], v) for k, v in frozen.items())  # not moved, bit for bit
+    with pytest.raises(ValueError, match="every parameter of Linear has requires_grad=False"):
+        fzero.module.functional(nn.Linear(2, 2).requires_grad_(False))
+
+
+def test_the_net_refuses_its_own_forward_and_state_dicts_while_fzero_trains_it():
+    """After the first ``apply`` the net's own weights are stale: ``net(x)``, ``net.state_dict()``
+    and ``net.load_state_dict()`` raise naming fzero's way; after ``load_into`` they work again."""
+    torch.manual_seed(0)
+    net = Checkpointed()
+    x, _ = regression(0)
+    before = net(x)  # before training: the net's own weights are the ones fzero starts from
+    _, fm, params, state, engine = train_checkpointed(net, BF16, steps=2)
+    with pytest.raises(RuntimeError, match=r"Checkpointed.forward while fzero trains the net.*fm.apply\(params, buffers"):
+        net(x)
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) while fzero trains.*fm.state_dict\(params, buffers, engine"):
+        net.state_dict()
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) while fzero trains.*engine.load_params\(state"):
+        net.load_state_dict(Checkpointed().state_dict())
+    fm.load_into(params, fm.buffers, engine=engine, state=state)
+    fresh = Checkpointed()
+    fresh.load_state_dict(fzero.checkpoint.full_master(params, state, engine))
+    trained = net(x)  # the FP32 master's weights now
+    assert torch.equal(trained, fresh(x)) and not torch.equal(trained, before)
+    net.load_state_dict(net.state_dict())
+
+
+def test_backward_through_apply_outside_grad_and_value_names_it():
+    torch.manual_seed(0)
+    net = Checkpointed()
+    fm = fzero.module.functional(net)
+    engine = fzero.zero1(transforms.adamw(), param_dtype=BF16)
+    params, _, _ = engine.init(fm.params)
+    x, y = regression(0)
+    out, _ = fm.apply(params, fm.buffers, x)
+    with pytest.raises(RuntimeError, match=r"backward through fm.apply's output.*engine.grad_and_value"):
+        F.mse_loss(out.float(), y).backward()
+    with torch.no_grad():  # evaluation: the output as it is
+        assert not fm.apply(params, fm.buffers, x)[0].requires_grad
+    net.eval()
+    assert not fm.apply(params, fm.buffers, x)[0].requires_grad
+
+
+class SharedAcrossCheckpoint(nn.Module):
+    """One layer used inside a reentrant checkpoint and again outside it: its grad comes from two
+    backward passes (the checkpoint's own and the outer one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.shared, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), self.a(x), use_reentrant=True)
+        return self.head(self.shared(h))
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 64])
+def test_a_param_in_a_reentrant_checkpoint_and_outside_gets_both_parts_or_a_clear_error(bucket_bytes):
+    torch.manual_seed(0)
+    net = SharedAcrossCheckpoint()
+    ref = copy.deepcopy(net)
+    x, y = regression(0)
+    F.mse_loss(ref(x), y).backward()
+    fm = fzero.module.functional(net)
+    engine = fzero.zero1(transforms.adamw(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=bucket_bytes)
+    params, _, ss = engine.init(fm.params)
+    grad_fn = engine.grad_and_value(lambda p, x, y: F.mse_loss(fm.apply(p, fm.buffers, x)[0], y))
+    if bucket_bytes is None:  # one bucket: it starts after the last part of every grad
+        grads, _ = grad_fn(params, ss, x, y)
+        for k, g in fzero.unflatten(grads.grads, engine.layout).items():
+            torch.testing.assert_close(g, ref.get_parameter(k).grad, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+        return
+    with pytest.raises(RuntimeError, match=r"param leaf 'shared.(weight|bias)' got a second part of its grad.*use_reentrant=False"):
+        grad_fn(params, ss, x, y)

@@ -132,6 +132,16 @@ def test_muon_under_the_engine_names_a_leaf_that_is_not_a_matrix():
         engine.init({"w": torch.zeros(4, 4), "b": torch.zeros(7)})
 
 
+def test_muon_under_the_engine_names_a_matrix_with_no_elements_at_init():
+    """A zero-size matrix labelled ``muon`` (an empty embedding table) is refused at ``init``,
+    naming it, before any collective: not a ``torch.cat`` error at the first step."""
+    tx = transforms.partition({"muon": transforms.muon(), "adamw": transforms.adamw()},
+                              {"w": "muon", "z": "muon", "b": "adamw"})
+    engine = fzero.zero1(tx, param_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"leaf 'z' has shape \(0, 4\), no elements: Muon has no matrix"):
+        engine.init({"w": torch.zeros(4, 4), "z": torch.zeros(0, 4), "b": torch.zeros(7)})
+
+
 def test_adjusted_ratio_is_torchs():
     assert muon_module.adjusted_ratio((40, 10), None) == math.sqrt(4.0)
     assert muon_module.adjusted_ratio((10, 40), "original") == 1.0

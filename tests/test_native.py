@@ -2,17 +2,31 @@
 inductor compiles, in place, a skipped step, padding, BF16's ties-away rounding and the
 saturation of the cast; the pure step and the transforms it cannot run keep inductor's loops.
 The eager norm's sum of squares: the float64 sum, non-finite on any inf or NaN, the same bits
-on any number of threads."""
+on any number of threads. The build and its cache: a lock held past the timeout, a damaged
+library, and builds killed midway never crash or hang a later process."""
+import fcntl
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
 import optree
 import pytest
 import torch
 import torch._dynamo
+import torch.utils.cpp_extension
 
 import fzero
 import fzero.leafwise
 from fzero import native, transforms
 from fzero.grads import Segments
 from fzero.update import NORM_BLOCK, NORM_ROW, cast_params, compiled_update, sum_of_squares
+from distributed import require_tier
 from helpers import grads_like, grads_seq, odd_params
 
 pytestmark = pytest.mark.skipif(not native.available(torch.device("cpu")),
@@ -303,3 +317,201 @@ def test_the_eager_norm_runs_the_kernel(param_dtype, monkeypatch):
         assert torch.equal(a, b)
     for a, b in zip(i1, i2):
         torch.testing.assert_close(a["grad_norm"], b["grad_norm"], rtol=1e-6, atol=0, equal_nan=True)
+
+
+# The build and its cache. In process: a cache under tmp_path, torch's build replaced where one would
+# run (the kernels are loaded in this process already: a second library of the same ops cannot be).
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> native._Files:
+    """The kernels' files under an empty ``TORCH_EXTENSIONS_DIR`` in ``tmp_path``."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("FZERO_NATIVE_BUILD_TIMEOUT", raising=False)
+    files = native._files()
+    os.makedirs(os.path.dirname(files.lock))
+    return files
+
+
+def cached(files: native._Files, library: bytes) -> None:
+    """``library`` as the cached library, with its record (as a build leaves them)."""
+    with open(files.library, "wb") as f:
+        f.write(library)
+    with open(files.record, "w") as f:
+        json.dump(native._digest(files.library), f)
+
+
+def test_a_lock_held_past_the_timeout_falls_back_with_one_warning_that_names_it(cache, monkeypatch):
+    """While another process holds the build's lock (an flock, here on a descriptor of this
+    process's own) the kernels wait ``FZERO_NATIVE_BUILD_TIMEOUT`` seconds, then are not
+    available: one warning of one line that names the lock file, its holder and the ways out,
+    nothing built or loaded; once the lock is free, the whole cached library is loaded."""
+    monkeypatch.setenv("FZERO_NATIVE_BUILD_TIMEOUT", "0.3")
+    cached(cache, b"a library")
+    loads = []
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
+    monkeypatch.setattr(native, "_build", lambda files: pytest.fail("built"))
+    fd = os.open(cache.lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, b"4242 elsewhere\n")
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning) as caught:
+            assert native._module.__wrapped__() is None
+        assert 0.3 <= time.monotonic() - start < 30  # bounded (a loaded machine may lag)
+    finally:
+        os.close(fd)
+    [warning] = caught
+    message = str(warning.message)
+    assert "\n" not in message and loads == []
+    for part in (cache.lock, "process 4242 on elsewhere", "FZERO_NATIVE_BUILD_TIMEOUT=", "FZERO_NATIVE=0"):
+        assert part in message
+    assert native._module.__wrapped__() is torch.ops.fzero_native and loads == [cache.library]
+
+
+@pytest.mark.parametrize("seconds", ["-1", "soon", "nan"])
+def test_a_build_timeout_that_is_no_number_of_seconds_raises(seconds, cache, monkeypatch):
+    """A negative or unreadable ``FZERO_NATIVE_BUILD_TIMEOUT`` is one error that names it."""
+    monkeypatch.setenv("FZERO_NATIVE_BUILD_TIMEOUT", seconds)
+    with pytest.raises(ValueError, match=f"FZERO_NATIVE_BUILD_TIMEOUT='{seconds}'"):
+        native._module.__wrapped__()
+
+
+@pytest.mark.parametrize("damage,why", [("truncated", "700 bytes where 1500 were built"),
+                                        ("a byte changed", "its sha256 differs from the built one's"),
+                                        ("no record", "no record of it"), ("a record cut short", "no record of it"),
+                                        ("absent", None)])
+def test_a_damaged_cached_library_is_rebuilt_never_loaded(damage, why, cache, monkeypatch):
+    """A cached library unlike its record (cut short, as a killed copy or a full disk leaves it;
+    a byte changed; no record, or one cut short, as a build killed between its two renames leaves
+    it) is never loaded: warned of once, rebuilt in a new directory after the directories of
+    killed builds (torch's ``lock`` file in them) are removed, renamed into place with its new
+    record. An absent one is built without a word."""
+    cached(cache, b"the old library" * 100)
+    if damage == "truncated":
+        os.truncate(cache.library, 700)
+    elif damage == "a byte changed":
+        with open(cache.library, "r+b") as f:
+            f.write(b"T")
+    elif damage == "a record cut short":
+        os.truncate(cache.record, 10)
+    else:
+        os.remove(cache.record if damage == "no record" else cache.library)
+    killed = cache.library[:-len(".so")] + ".build-killed"
+    os.makedirs(killed)
+    open(os.path.join(killed, "lock"), "w").close()
+    builds = []
+
+    def build(name, sources, build_directory, **kw):  # torch's: the library, loaded, in its build directory
+        assert not os.path.exists(killed) and os.listdir(build_directory) == []
+        builds.append(build_directory)
+        with open(os.path.join(build_directory, name + ".so"), "wb") as f:
+            f.write(b"the new library")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: pytest.fail(f"loaded {path}"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native._module.__wrapped__() is torch.ops.fzero_native
+    assert [str(w.message) for w in caught] == ([] if why is None else [
+        f"fzero.native: the cached CPU kernels {cache.library} are damaged ({why}); rebuilding them"])
+    assert len(builds) == 1 and not os.path.exists(builds[0])
+    with open(cache.library, "rb") as f:
+        assert f.read() == b"the new library"
+    with open(cache.record) as f:
+        assert json.load(f) == native._digest(cache.library)
+    assert sorted(os.listdir(os.path.dirname(cache.lock))) == sorted(
+        os.path.basename(p) for p in (cache.lock, cache.library, cache.record))
+
+
+# In processes of their own, each with a new TORCH_EXTENSIONS_DIR: two builds in all.
+
+# Says whether the kernels are available and runs one. Where ``pause``, it prints the build's
+# directory once torch's own lock in it is taken (its FileBaton: a killed build leaves the file
+# behind, and a cpp_extension.load of that directory waits on it forever), and waits to be killed.
+BUILD = """
+import signal, torch
+from torch.utils import file_baton
+from fzero import native
+acquire = file_baton.FileBaton.try_acquire
+def announced(self):
+    got = acquire(self)
+    if got and {pause}:
+        print(self.lock_file_path, flush=True)
+        signal.pause()
+    return got
+file_baton.FileBaton.try_acquire = announced
+print(native.available(torch.device("cpu")), native.sum_of_squares([torch.arange(300.0)], 256, wide=True).item())
+"""
+
+# What BUILD prints where the kernels run: sum(i * i for i in range(300)).
+BUILT = ["True", "8955050.0"]
+
+
+def python_env(cache_root) -> dict:
+    """The environment of a process whose kernels are cached under ``cache_root``."""
+    require_tier("e2e", "starts Python processes that build fzero's kernels")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FZERO_NATIVE")}
+    return env | {"TORCH_EXTENSIONS_DIR": str(cache_root), "OMP_NUM_THREADS": "1", "FZERO_NATIVE_BUILD_TIMEOUT": "60"}
+
+
+def built(cache_root) -> subprocess.CompletedProcess:
+    """BUILD run to its end in a new process, in 240 s at most (killed past them)."""
+    return subprocess.run([sys.executable, "-c", BUILD.format(pause=False)], env=python_env(cache_root),
+                          capture_output=True, text=True, timeout=240)
+
+
+def killed_in_its_build(cache_root, sig) -> str:
+    """The build directory of a new process that is killed with ``sig`` in its build (holding
+    torch's lock in that directory, and fzero's on the cache), once it gets there (60 s at most)."""
+    proc = subprocess.Popen([sys.executable, "-c", BUILD.format(pause=True)], env=python_env(cache_root),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        lock = proc.stdout.readline().strip() if ready else ""
+    finally:
+        if lock and proc.poll() is None:
+            proc.send_signal(sig)
+        else:  # it never got there: it ended, or it waits (a lock nobody will release)
+            proc.kill()
+        _, err = proc.communicate(timeout=60)
+    assert lock, f"no build began in 60 s: {err[-3000:]}"
+    assert proc.returncode == -sig and os.path.exists(lock)  # torch's lock, left behind
+    return os.path.dirname(lock)
+
+
+@pytest.mark.e2e
+def test_a_build_killed_by_sigterm_or_sigkill_holds_no_later_process(tmp_path):
+    """A process killed by SIGTERM (torchrun, ``timeout``, Slurm) in its build leaves torch's
+    lock in its build directory; the next process takes fzero's lock at once (the kernel dropped
+    it), removes that directory and builds in one of its own, and is killed there by SIGKILL; a
+    third builds the kernels and runs them within a bound, without a warning, and leaves the
+    library, its record and the lock file only."""
+    first = killed_in_its_build(tmp_path, signal.SIGTERM)
+    second = killed_in_its_build(tmp_path, signal.SIGKILL)
+    assert not os.path.exists(first) and second != first
+    proc = built(tmp_path)
+    assert proc.returncode == 0 and "fzero.native" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.split() == BUILT
+    name = native._files().name
+    assert sorted(os.listdir(tmp_path / "fzero_native")) == [name + ext for ext in (".json", ".lock", ".so")]
+
+
+@pytest.mark.e2e
+def test_a_truncated_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """The kernels this process loaded, copied into a new cache with their record and cut to
+    half their size (a copy killed or a disk full): a new process reads it, warns that it is
+    damaged, rebuilds it and runs it (where loading it would end the process with SIGBUS, exit
+    135); the cache then holds the whole library."""
+    loaded = native._files()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    files = native._files()
+    os.makedirs(os.path.dirname(files.lock))
+    shutil.copyfile(loaded.record, files.record)
+    with open(loaded.library, "rb") as f, open(files.library, "wb") as g:
+        g.write(f.read()[:os.path.getsize(loaded.library) // 2])
+    proc = built(tmp_path)
+    assert proc.returncode == 0 and proc.stdout.split() == BUILT, proc.stderr[-3000:]
+    assert f"the cached CPU kernels {files.library} are damaged" in proc.stderr
+    with open(files.record) as f:
+        assert json.load(f) == native._digest(files.library)

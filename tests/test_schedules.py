@@ -139,3 +139,24 @@ def test_get_hyperparams_shows_the_scheduled_lr_the_next_step_applies(fused):
         assert float(info["lr"]) == float(shown["lr"])
         applied += not bool(info["found_inf"])
     assert applied == 6 and int(state.tx_state[2].count) == 6
+
+
+def test_get_hyperparams_of_the_engines_state_shows_the_scheduled_lr():
+    """``get_hyperparams(state, tx)`` on the state ``engine.step`` returns (a ``ZeroState``, as the
+    README shows it) had every stored hyperparameter but no ``lr``: the chain's members were
+    paired with the master and the transform state. It gives what it gives for the transform
+    state: the schedule at the count of applied updates, for clipping + AdamW with warmup and
+    cosine decay, the lr the next step applies."""
+    sched = transforms.warmup_cosine_decay(1e-3, 1e-2, 2, 8, end_value=1e-4)
+    tx = transforms.chain(transforms.clip_by_global_norm(1.0), transforms.adamw(lr=sched, weight_decay=0.1))
+    engine = fzero.zero1(tx, param_dtype=torch.bfloat16)
+    p0 = odd_params()
+    params, state, ss = engine.init(p0)
+    for i in range(3):
+        params, state, ss, _ = engine.step(params, optree.tree_map(lambda g: g.bfloat16(), grads_like(p0, i)), state, ss)
+    shown = transforms.get_hyperparams(state, tx)
+    assert set(shown) == {"max_norm", "b1", "b2", "eps", "weight_decay", "lr"}
+    assert torch.equal(shown["lr"], sched(torch.tensor(3, dtype=torch.int32))) and float(shown["lr"]) != float(sched(0))
+    assert all(torch.equal(v, transforms.get_hyperparams(state.tx_state, tx)[k]) for k, v in shown.items())
+    info = engine.step(params, optree.tree_map(lambda g: g.bfloat16(), grads_like(p0, 3)), state, ss)[3]
+    assert float(info["lr"]) == float(shown["lr"])

@@ -29,7 +29,7 @@ from fzero.checkpoint import read_manifest
 from fzero.models import gpt
 
 import data
-from helpers import EXAMPLES, TRAIN, forbid_host_syncs, load_train_module, run_script
+from helpers import EXAMPLES, TRAIN, edit_manifest, forbid_host_syncs, load_train_module, run_script
 from ranks import RANK_0_REPORT_WAIT_S
 
 STEP_KEYS = {
@@ -582,6 +582,62 @@ def test_a_checkpoint_without_training_flags_resumes_with_its_dtype_and_seed(leg
                              "--steps", "8", "--resume", str(legacy_checkpoint))
     assert proc.stdout.splitlines()[0] == f"resuming {legacy_checkpoint} at step 6 with the checkpoint's --dtype bf16 --seed 3"
     assert [r["step"] for r in records] == [7, 8] and all(r["loss_scale"] == 1.0 for r in records)  # BF16: no scaling
+
+
+
+def test_a_checkpoint_linked_from_its_run_directory_continues_that_runs_metrics(tmp_path):
+    """``<run>/ckpt/step-N`` (or ``<run>/ckpt``) a symlink to another volume is still the run's
+    own checkpoint: the resume keeps the log's records up to step N (reporting.open_metrics)."""
+    from reporting import in_run, open_metrics
+
+    run, volume = tmp_path / "run", tmp_path / "volume"
+    (volume / "ckpt" / "step-2").mkdir(parents=True)
+    (run / "ckpt").mkdir(parents=True)
+    os.symlink(volume / "ckpt" / "step-2", run / "ckpt" / "step-2")
+    lines = [{"config": {}}, {"step": 1}, {"step": 2}, {"step": 3}, {"summary": {}}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    log, earlier = open_metrics(str(run), str(run / "ckpt" / "step-2"), 2)
+    log.close()
+    assert earlier == lines[1:3] and metrics(run) == lines[:3]
+    shutil.rmtree(run / "ckpt")
+    os.symlink(volume / "ckpt", run / "ckpt")  # the whole ckpt directory elsewhere
+    assert in_run(str(run / "ckpt" / "step-2"), str(run))
+    assert not in_run(str(volume / "ckpt" / "step-2"), str(run))  # another run's checkpoint, given by its real path
+    assert not in_run(str(run / "ckpt" / "step-2"), str(tmp_path / "other"))
+
+
+def with_extra(extra: str):
+    """An ``edit_manifest`` edit: the manifest's text with the JSON text ``extra`` as its extra
+    (and a null step if it has none, as a save writes it)."""
+    def change(text):
+        start, end = text.index('"extra": ') + len('"extra": '), text.index('\n "files": ')
+        text = text[:start] + extra + "," + text[end:]
+        return text if '"step"' in extra else text.replace('"step": 6,', '"step": null,', 1)
+
+    return change
+
+
+@pytest.mark.parametrize("extra,message", [
+    ('{"seed": 3}', 'its manifest.json has no extra["step"]'),
+    ('{"step": "6", "seed": 3}', "manifest field extra.step = '6': must be an integer"),
+    ('{"step": 6, "deep": ' + "[" * 200_000 + "]" * 200_000 + "}", "nested more than 100 deep"),
+], ids=["no step", "step not a number", "nested 200,000 deep"])
+def test_resume_from_a_checkpoint_without_a_valid_step_is_one_flag_error(legacy_checkpoint, tmp_path, monkeypatch,
+                                                                         capsys, extra, message):
+    """A tampered ``extra``: one line naming the checkpoint's file and the key, before any work."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(legacy_checkpoint, ckpt)
+    edit_manifest(str(ckpt), with_extra(extra))
+    train_py = load_train_module()
+    monkeypatch.setattr(train_py, "init_distributed", lambda *a: pytest.fail("joined a group before checking"))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit:
+        train_py.main(["--device", "cpu", "--out", str(tmp_path / "run"), "--resume", str(ckpt)])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"train.py: error: --resume {ckpt}: ") and message in err and "manifest.json" in err, err
 
 
 # ---------------------------------------------------------------- the optimizer train.py builds

@@ -1,9 +1,12 @@
 import re
+from typing import Any, NamedTuple
+
 import optree
 import pytest
 import torch
 
 from fzero import transforms
+from fzero.transforms.base import register_holder
 from helpers import run_tx
 
 
@@ -257,6 +260,44 @@ def test_set_hyperparams_on_a_scheduled_lr_says_it_follows_the_schedule():
     assert optree.tree_structure(new) == optree.tree_structure(state)
     with pytest.raises(KeyError, match=re.escape("no hyperparameter(s) ['momentum'] in state; have ['b1', 'b2', 'eps', 'weight_decay']")):
         T.set_hyperparams(state, momentum=0.9)
+
+
+class Holder(NamedTuple):
+    """A caller's state that holds a transform state beside its own (as fzero's ``ZeroState``
+    holds its master): readable while ``own`` is not negative."""
+
+    own: torch.Tensor
+    tx_state: Any
+
+
+def holder_transform_state(holder: Holder, where: str):
+    if holder.own < 0:
+        raise ValueError(f"{where}: this holder may not be read")
+    return holder.tx_state
+
+
+def test_the_hyperparameter_functions_read_a_registered_holder_through_its_function():
+    """``get_hyperparams(holder, tx)`` of a chain gave the stored values but no scheduled ``lr``
+    (the chain's members were paired with the holder's fields): a registered holder is read as
+    its transform state by ``get_hyperparams`` and ``iter_hyperparams``; ``set_hyperparams``
+    returns a holder; a holder its function refuses raises in all three, naming the function."""
+    register_holder(Holder, holder_transform_state)
+    sched = T.linear_warmup(1e-3, 1e-2, 4)
+    tx = T.chain(T.clip_by_global_norm(1.0), T.adamw(lr=sched))
+    inner = tx.init(tree())
+    holder = Holder(torch.tensor(1.0), inner)
+    shown = T.get_hyperparams(holder, tx)
+    assert set(shown) == {"max_norm", "b1", "b2", "eps", "weight_decay", "lr"}
+    assert torch.equal(shown["lr"], sched(torch.zeros((), dtype=torch.int32)))
+    assert [n for n, _ in T.iter_hyperparams(holder)] == [n for n, _ in T.iter_hyperparams(inner)]
+    new = T.set_hyperparams(holder, b1=0.5)
+    assert type(new) is Holder and new.own is holder.own and T.get_hyperparams(new, tx)["b1"].item() == 0.5
+    gone = Holder(torch.tensor(-1.0), inner)
+    for name, call in (("get_hyperparams", lambda: T.get_hyperparams(gone, tx)),
+                       ("iter_hyperparams", lambda: list(T.iter_hyperparams(gone))),
+                       ("set_hyperparams", lambda: T.set_hyperparams(gone, b1=0.5))):
+        with pytest.raises(ValueError, match=f"^{name}: this holder may not be read$"):
+            call()
 
 
 # ---------------------------------------------------------------- ShardContext: a flat tensor standing for a pytree

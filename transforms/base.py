@@ -42,6 +42,7 @@ __all__ = [
     "set_hyperparams",
     "get_hyperparams",
     "iter_hyperparams",
+    "register_holder",
     "named_tuples",
     "HYPERPARAM_RULES",
     "apply_updates",
@@ -305,13 +306,35 @@ def named_tuples(tree):
             yield from named_tuples(child)
 
 
+# A caller's state class whose instances hold a transform's state beside state of the caller's
+# own (fzero's ZeroState: the master shard and the transform state) -> the function that hands
+# out the transform state (``register_holder``).
+_HOLDERS: dict[type, Callable[[Any, str], Any]] = {}
+
+
+def register_holder(cls: type, transform_state: Callable[[Any, str], Any]) -> None:
+    """Have ``get_hyperparams``, ``iter_hyperparams`` and ``set_hyperparams`` take an instance of
+    ``cls``, a caller's state that holds a transform's state (fzero registers its ``ZeroState``):
+    ``transform_state(holder, where)`` returns that transform state, or raises naming ``where``
+    (the function called) if the holder may not be read any more (fzero: a state that a
+    donating step consumed)."""
+    _HOLDERS[cls] = transform_state
+
+
+def _transform_state(state, where: str):
+    """The transform state ``state`` is or holds (``register_holder``)."""
+    read = _HOLDERS.get(type(state))
+    return state if read is None else read(state, where)
+
+
 def iter_hyperparams(state):
     """Yield ``(name, tensor)`` for every stored hyperparameter of ``state`` -- a 0-d tensor field
     named in a state NamedTuple's ``HYPERPARAMS`` -- depth first, one pair per field (two
     transforms with an ``lr`` give two pairs): the optimizer's configuration that checkpoints
     keep and ``set_hyperparams`` changes. A scheduled value is none of them (see
-    ``get_hyperparams``)."""
-    for node in named_tuples(state):
+    ``get_hyperparams``). ``state``: a transform's state, or a holder of one (fzero's engine
+    state, see ``register_holder``)."""
+    for node in named_tuples(_transform_state(state, "iter_hyperparams")):
         for name in getattr(type(node), "HYPERPARAMS", ()):
             yield name, getattr(node, name)
 
@@ -322,8 +345,10 @@ def get_hyperparams(state, tx: GradientTransformation | None = None) -> dict[str
     ``hyperparams`` compute from the state, such as a scheduled ``lr``: ``schedule(count)`` at
     the state's count of applied updates, the value the next update applies and fzero's engine
     reports as that step's ``info["lr"]`` (like torch's ``scheduler.get_last_lr()``). 0-d
-    tensors, computed with tensor ops: no host sync. With fzero's engine pass the transform
-    state: ``get_hyperparams(state.tx_state, tx)``."""
+    tensors, computed with tensor ops: no host sync. ``state``: the transform's state, or a
+    holder of one (``register_holder``): fzero's engine state as ``init`` and ``step`` return it,
+    or its ``tx_state``."""
+    state = _transform_state(state, "get_hyperparams")
     out = dict(iter_hyperparams(state))
     if tx is not None and tx.hyperparams is not None:
         out.update(tx.hyperparams(state))
@@ -342,7 +367,10 @@ def set_hyperparams(state, **values):
     ``weight_decay``, ``momentum`` finite and >= 0; ``b1``, ``b2`` in [0, 1); ``max_norm`` finite
     and > 0), Python numbers and tensors alike (a tensor is read on the host: call this between
     steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
+    ``state``: a transform's state, or a holder of one (``register_holder``: fzero's engine
+    state), returned with the same structure.
     """
+    _transform_state(state, "set_hyperparams")  # a holder that may not be read raises
     for node in named_tuples(state):
         for name in sorted(set(values) & set(getattr(type(node), "SCHEDULED", ()))):
             raise ValueError(f"set_hyperparams: {name} follows a schedule (the state stores its count only, in "

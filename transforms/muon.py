@@ -84,6 +84,9 @@ def _check_matrices(params, where: str) -> None:
         if leaf.ndim != 2:
             raise ValueError(f"{where}: Muon orthogonalizes 2-D matrices; leaf {name!r} has shape {tuple(leaf.shape)} "
                              f"(train it with another transform: transforms.partition)")
+        if leaf.numel() == 0:
+            raise ValueError(f"{where}: leaf {name!r} has shape {tuple(leaf.shape)}, no elements: Muon has no matrix "
+                             f"to orthogonalize (train it with another transform: transforms.partition)")
 
 
 def scale_by_muon(momentum: float = 0.95, *, nesterov: bool = True, ns_steps: int = 5,

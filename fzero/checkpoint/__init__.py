@@ -51,8 +51,8 @@ every rank, naming them (:mod:`fzero.checkpoint.collective`). ``export_full``: :
 """
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import warnings
 from typing import Any, Callable
 
@@ -62,7 +62,7 @@ from .. import lineage
 from ..engine import Engine, ZeroState, cast_params
 from ..flat import leaf_paths, unflatten
 from ..scaler import LossScaleState
-from . import commit, lock, manifest, reshard
+from . import commit, files, lock, manifest, reshard
 from .collective import agree, ready
 from .commit import need_safetensors, no_hook
 from .export import EXPORT_FORMAT, export_full, full_master
@@ -77,18 +77,20 @@ __all__ = ["CheckpointError", "save", "load", "export_full", "full_master", "rea
 HYPERPARAMS_FROM = ("engine", "checkpoint")
 
 
-def _check_save_args(params, state, scaler_state, engine: Engine, extra) -> tuple:
+def _check_save_args(path: str, params, state, scaler_state, engine: Engine, extra) -> tuple:
     """What ``save`` stores, checked: the state's leaves with its FP32 master, their kinds, the
-    ``extra`` text. ``params``: the pytree or the flat buffer (``engine.flat_params``), as
-    ``step`` takes them."""
+    ``extra`` text. ``path``: where (a UTF-8 path); ``params``: the pytree or the flat buffer
+    (``engine.flat_params``), as ``step`` takes them."""
+    files.utf8(path)
     if not isinstance(state, ZeroState):
         raise CheckpointError(f"state must be the ZeroState from engine.init/step, got {type(state).__name__}")
     if not isinstance(scaler_state, LossScaleState):
         raise CheckpointError(f"scaler_state must be the LossScaleState from engine.init/step, got {type(scaler_state).__name__}")
     # the one place the params are used (checked as step checks them); master="remainder":
     # the FP32 master joined from this rank's shard of them and the remainder
-    # (params edited since the step, or of another step with the remainder, raise here)
-    names, leaves, _ = leaf_paths(saved_form(engine.with_fp32_master(params, state, where="checkpoint.save"),
+    # (params edited since the step, or of another step with the remainder, raise here; so do
+    # params written where no version counter saw it: ``lineage.checked_fp32_master``)
+    names, leaves, _ = leaf_paths(saved_form(lineage.checked_fp32_master(params, state, engine, where="checkpoint.save"),
                                             engine.shard_context))
     kinds = manifest.classify(names, leaves, engine.layout.shard_numel)
     return names, leaves, kinds, manifest.extra_json(extra)
@@ -118,33 +120,34 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     """
     layout, comm = ready(engine)
     comm.arrive("checkpoint.save", timeout=engine.call_timeout)
-    path = os.path.abspath(os.fspath(path))
+    path = files.absolute(path)
     rank, n, what = comm.rank, comm.world_size, f"save {path}"
     # With replicas (a hybrid mesh) the first replica's shard ranks write; the others only agree.
     writer = comm.replica == 0
     lead = writer and rank == 0
-    names, leaves, kinds, extra_text = agree(comm, what, lambda: _check_save_args(params, state, scaler_state, engine, extra))
+    names, leaves, kinds, extra_text = agree(comm, what, lambda: _check_save_args(path, params, state, scaler_state, engine, extra))
     held, committed = {}, []  # rank 0: the save lock and the new snapshot's name, once taken
     try:
         snapshot = agree(comm, what, lambda: commit.begin(path, held, _hook) if lead else None, gather=True)[0]
         directory = os.path.join(path, snapshot)
         owned = layout.owned(rank)
-        files = agree(
+        shards = agree(
             comm, what, lambda: commit.write_shard(directory, rank, n, names, leaves, kinds, owned, _hook) if writer else None,
             gather=True,
         )[:n]  # replica-major: the first replica's, in shard order
 
         def finish():
             if lead:
-                m = manifest.build_manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, files)
+                m = manifest.build_manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, shards)
                 digest = commit.write_manifest(directory, m, _hook)
-                commit.commit_snapshot(path, snapshot, digest, _hook)
+                commit.commit_snapshot(path, snapshot, digest, _hook, held["lock"])
                 committed.append(snapshot)
 
         agree(comm, what, finish)
     except CheckpointError:
         if "snapshot" in held and not committed:  # the pointer still names the previous snapshot
-            shutil.rmtree(os.path.join(path, held["snapshot"]), ignore_errors=True)
+            with contextlib.suppress(OSError, CheckpointError):  # (the next save retries; this error is the one)
+                commit.remove_snapshot(path, held["snapshot"])
         raise
     finally:
         if "lock" in held:
@@ -191,9 +194,9 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     need_safetensors()
     layout, comm = ready(engine)
     comm.arrive("checkpoint.load", timeout=engine.call_timeout)
-    path = os.path.abspath(os.fspath(path))
+    path = files.absolute(path)
     rank, what = comm.rank, f"load {path}"
-    given = agree(comm, what, lambda: (path, commit.resolve(path) if rank == 0 else None), gather=True)
+    given = agree(comm, what, lambda: (files.utf8(path), commit.resolve(path) if rank == 0 else None), gather=True)
     snapshot, digest = given[0][1]
     _same_checkpoint(path, [p for p, _ in given], snapshot, comm, what)
     _hook("resolved", snapshot=snapshot)
@@ -245,7 +248,7 @@ def _same_checkpoint(path: str, paths: list[str], snapshot: str, comm, what: str
 def read_manifest(path) -> dict:
     """The parsed, validated manifest of the checkpoint at ``path`` (the snapshot its
     ``current.json`` names); no process group needed."""
-    path = os.path.abspath(os.fspath(path))
+    path = files.utf8(files.absolute(path))
     return read_snapshot_manifest(path, *commit.resolve(path))
 
 
@@ -263,13 +266,15 @@ def recover(path, snapshot: str | None = None) -> str:
     Returns the snapshot's name; ``CheckpointError`` naming the file if it fails verification,
     or listing each candidate's failure if none passes.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = files.utf8(files.absolute(path))
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: it does not exist or is not a directory")
-    if snapshot is not None and not (commit.SNAPSHOT.fullmatch(snapshot) and os.path.isdir(os.path.join(path, snapshot))):
+    if snapshot is not None and not (commit.SNAPSHOT.fullmatch(snapshot)
+                                     and files.check_entry(os.path.join(path, snapshot), directory=True)):
         raise CheckpointError(f"no snapshot {snapshot!r} in {path}")
     if snapshot is None and not commit.complete_snapshots(path):
         raise CheckpointError(f"no snapshot in {path} has a valid {manifest.MANIFEST}")
+    commit.check_entries(path)  # before the lock (which creates its file if missing): refused, nothing changes
     fd = lock.acquire(path)
     try:
         if snapshot is None:
@@ -293,6 +298,7 @@ def recover(path, snapshot: str | None = None) -> str:
         else:
             digest = verify_snapshot(path, snapshot)
         recorded = commit.recorded_snapshots(path)
+        lock.check(fd, path, "while recover ran; it changed nothing")
         if snapshot not in recorded:
             commit.write_marker(path, recorded + [snapshot])
         commit.write_pointer(path, snapshot, digest, no_hook)

@@ -34,10 +34,20 @@ deletes nothing else: no sibling of ``path``, no file or directory in ``path`` t
 does not record. A symlink at ``path`` stays; the checkpoint is written into its target.
 ``path`` must be on a filesystem that every rank sees (a shared filesystem on several nodes).
 
+**Nothing outside ``path``.** Every entry a save reads, writes, replaces or deletes in ``path`` is
+a regular file or (a snapshot) a real directory, never followed if it is a symlink
+(:mod:`fzero.checkpoint.files`); the save checks the pointer, the marker, the lock, the
+recorded snapshots and its leftover temporary files before it changes anything, and refuses a
+symlink, a FIFO, a device or a directory in place of one with ``CheckpointError`` naming it.
+
 **One save at a time.** Rank 0 holds the save lock (:mod:`fzero.checkpoint.lock`) from step 1 to
 the end of step 5, so every marker update is made by the one save that holds it, and every
-snapshot is recorded before it exists: none is ever left behind unrecorded. Loads take no lock
-(any number of readers, racing saves).
+snapshot is recorded before it exists: none is ever left behind unrecorded. Before it commits,
+and again before its cleanup, the save checks that the lock file it holds is still the one at
+the path (:func:`fzero.checkpoint.lock.check`): if it was removed or replaced, another save may
+have run meanwhile and deleted this one's snapshot, so the save fails instead of committing (or,
+committed, leaves the cleanup to the next save). Loads take no lock (any number of readers,
+racing saves).
 
 **A lost pointer.** If ``current.json`` is missing or unreadable when a save commits, the save
 cannot tell which snapshot it named; it keeps every recorded snapshot that holds a
@@ -61,7 +71,7 @@ import warnings
 from typing import Callable
 
 from ..flat import concat
-from . import lock
+from . import files, lock
 from .lock import LOCK
 from .manifest import FORMAT, MANIFEST, SHA256, validate_manifest
 from .strict_json import VERSION, CheckpointError, Fields, check_header, dump_json, parse_json
@@ -69,7 +79,7 @@ from .strict_json import VERSION, CheckpointError, Fields, check_header, dump_js
 __all__ = [
     "POINTER", "MARKER", "MARKER_FORMAT", "SNAPSHOT", "save_file", "no_hook", "need_safetensors", "fsync_dir",
     "file_sha256", "read_pointer", "write_pointer", "read_marker", "write_marker", "resolve", "complete_snapshots",
-    "recorded_snapshots", "begin", "write_shard", "write_manifest", "commit_snapshot",
+    "recorded_snapshots", "check_entries", "remove_snapshot", "begin", "write_shard", "write_manifest", "commit_snapshot",
 ]
 
 try:  # a declared dependency; guarded so that ``import fzero`` works without it
@@ -111,10 +121,11 @@ def fsync_dir(path: str) -> None:
 
 
 def file_sha256(path: str, *, fsync: bool = False) -> tuple[str, int]:
-    """``(sha256 hex, size)`` of the file; with ``fsync``, fsynced first."""
+    """``(sha256 hex, size)`` of the regular file ``path`` (not a symlink:
+    :func:`fzero.checkpoint.files.open_regular`); with ``fsync``, fsynced first."""
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
+    with os.fdopen(files.open_regular(path), "rb") as f:
         if fsync:
             os.fsync(f.fileno())
         while chunk := f.read(1 << 24):
@@ -123,24 +134,18 @@ def file_sha256(path: str, *, fsync: bool = False) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-def _write_synced(file: str, data: bytes) -> None:
-    with open(file, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _write_atomic(directory: str, name: str, data: bytes, hook: Callable = no_hook, point: str | None = None) -> None:
-    """Replace ``directory/name`` by ``data`` atomically: write ``.<name>.tmp-<id>``, fsync it,
-    ``os.replace`` it onto ``name``, fsync the directory."""
-    tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    """Replace ``directory/name`` (a regular file, or nothing) by ``data`` atomically: create
+    ``.<name>.tmp-<id>``, fsync it, ``os.replace`` it onto ``name``, fsync the directory."""
+    tmp, file = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}"), os.path.join(directory, name)
     try:
-        _write_synced(tmp, data)
+        files.write_new(tmp, data)
         if point is not None:
             hook(point, file=tmp)
-        os.replace(tmp, os.path.join(directory, name))
+        files.check_entry(file)  # checked before any change too; again here, at the replace
+        os.replace(tmp, file)
     except Exception:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
         raise
     fsync_dir(directory)
@@ -148,8 +153,7 @@ def _write_atomic(directory: str, name: str, data: bytes, hook: Callable = no_ho
 
 # ---------------------------------------------------------------------------------- pointer and marker
 def _read_small_json(file: str, kind: str, format: str) -> tuple[dict, Fields]:
-    with open(file, "rb") as f:
-        obj = parse_json(f.read(), file)
+    obj = parse_json(files.read_file(file), file)
     return obj, check_header(obj, file, kind, format)
 
 
@@ -208,16 +212,16 @@ def resolve(path: str) -> tuple[str, str]:
 
 
 def complete_snapshots(path: str) -> list[tuple[str, int | None]]:
-    """``(name, step)`` of every snapshot directory in ``path`` whose ``manifest.json`` is
-    valid (its shards are not checked), oldest manifest first."""
+    """``(name, step)`` of every snapshot directory in ``path`` (a real one, not a symlink)
+    whose ``manifest.json`` is valid (its shards are not checked), oldest manifest first."""
     found = []
     for name in os.listdir(path):
         file = os.path.join(path, name, MANIFEST)
         if not SNAPSHOT.fullmatch(name):
             continue
         try:
-            with open(file, "rb") as f:
-                manifest = validate_manifest(parse_json(f.read(), file), file)
+            files.check_entry(os.path.join(path, name), directory=True)
+            manifest = validate_manifest(parse_json(files.read_file(file), file), file)
             found.append((os.path.getmtime(file), name, manifest["step"]))
         except (OSError, CheckpointError):
             continue
@@ -230,6 +234,20 @@ def _ours(name: str) -> bool:
     return name == LOCK or bool(_OWN_TMP.fullmatch(name))
 
 
+def check_entries(path: str) -> None:
+    """The pointer and the marker of ``path`` are regular files or missing (a save or
+    ``recover`` replaces them): ``CheckpointError`` naming the first that is not."""
+    for name in (POINTER, MARKER):
+        files.check_entry(os.path.join(path, name))
+
+
+def remove_snapshot(path: str, name: str) -> None:
+    """Delete the snapshot directory ``path/name`` and what it holds, if it is a real directory
+    (a symlink in its place is left alone: nothing outside ``path`` is deleted)."""
+    if files.check_entry(os.path.join(path, name), directory=True):
+        shutil.rmtree(os.path.join(path, name), ignore_errors=True)  # never follows a link inside it
+
+
 def _open_dir(path: str) -> None:
     """Rank 0: check that ``path`` is, or can become, an fzero checkpoint directory (created,
     or its symlink's target created, if missing), before anything is written in it."""
@@ -237,6 +255,7 @@ def _open_dir(path: str) -> None:
         os.makedirs(os.path.realpath(path), exist_ok=True)  # exist_ok: another first save may race this one
     if not os.path.isdir(path):
         raise CheckpointError(f"refusing to overwrite {path}: it exists and is not a directory")
+    check_entries(path)
     if not os.path.isfile(os.path.join(path, MARKER)) and not all(_ours(name) for name in os.listdir(path)):
         raise CheckpointError(f"refusing to overwrite {path}: it exists, is not empty and is not an fzero "
                               f"checkpoint directory of format version {VERSION} (no {MARKER})")
@@ -248,9 +267,13 @@ def begin(path: str, held: dict, hook: Callable) -> str:
     _open_dir(path)
     held["lock"] = lock.acquire(path)
     recorded = read_marker(path) if os.path.isfile(os.path.join(path, MARKER)) else []
-    for name in os.listdir(path):  # temporary files of an interrupted save (names fzero reserves)
-        if _OWN_TMP.fullmatch(name):
-            os.remove(os.path.join(path, name))
+    for name in recorded:  # what a cleanup may delete: real directories only (checked before any change)
+        files.check_entry(os.path.join(path, name), directory=True)
+    leftover = [os.path.join(path, name) for name in os.listdir(path) if _OWN_TMP.fullmatch(name)]
+    for file in leftover:  # temporary files of an interrupted save (names fzero reserves)
+        files.check_entry(file)
+    for file in leftover:
+        os.remove(file)
     snapshot = f"snapshot-{uuid.uuid4().hex}"
     write_marker(path, recorded + [snapshot])
     held["snapshot"] = snapshot
@@ -268,6 +291,7 @@ def write_shard(directory, rank, world_size, names, leaves, kinds, owned, hook: 
     need_safetensors()
     fname = f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
     file = os.path.join(directory, fname)
+    os.close(files.create(file))  # a new regular file (not a link planted there), which save_file fills
     segments = [[g0, g1] for g0, g1, _ in owned]
     tensors = {}
     for name, leaf, kind in zip(names, leaves, kinds):
@@ -288,14 +312,16 @@ def write_manifest(directory: str, manifest: dict, hook: Callable) -> str:
     file = os.path.join(directory, MANIFEST)
     data = dump_json(manifest)
     validate_manifest(parse_json(data, file), file)
-    _write_synced(file, data)
+    files.write_new(file, data)
     fsync_dir(directory)
     hook("manifest_written", file=file)
     return hashlib.sha256(data).hexdigest()
 
 
-def commit_snapshot(path: str, snapshot: str, digest: str, hook: Callable) -> None:
-    """Steps 4 and 5, rank 0: point ``current.json`` at ``snapshot``, then clean up."""
+def commit_snapshot(path: str, snapshot: str, digest: str, hook: Callable, lock_fd: int) -> None:
+    """Steps 4 and 5, rank 0: point ``current.json`` at ``snapshot``, then clean up; both only
+    while ``lock_fd`` (the save lock, :func:`fzero.checkpoint.lock.acquire`) is still on the
+    lock file at the path (else ``CheckpointError`` before the commit, a warning after it)."""
     try:
         keep, lost = {snapshot, read_pointer(path)[0]}, None
     except FileNotFoundError:
@@ -305,8 +331,14 @@ def commit_snapshot(path: str, snapshot: str, digest: str, hook: Callable) -> No
     if lost is not None:  # any complete snapshot may be the one it named: keep them all
         kept = [name for name in recorded_snapshots(path) if name != snapshot and os.path.isfile(os.path.join(path, name, MANIFEST))]
         keep = {snapshot, *kept}
+    lock.check(lock_fd, path)
     write_pointer(path, snapshot, digest, hook)
     hook("committed", snapshot=snapshot)
+    try:
+        lock.check(lock_fd, path, "after this save committed")
+    except CheckpointError as e:
+        warnings.warn(f"save {path}: committed, but old snapshots were not removed: {e}; the next save removes them")
+        return
     _cleanup(path, keep)
     if lost is not None and kept:
         warnings.warn(
@@ -331,7 +363,7 @@ def _cleanup(path: str, keep: set) -> None:
         recorded = read_marker(path)
         for name in recorded:
             if name not in keep:
-                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+                remove_snapshot(path, name)
         write_marker(path, [name for name in recorded if os.path.lexists(os.path.join(path, name))])
     except (OSError, CheckpointError) as e:
         warnings.warn(f"save {path}: committed, but old snapshots were not all removed ({e}); the next save retries")

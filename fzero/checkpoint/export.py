@@ -9,6 +9,7 @@ import uuid
 import optree
 import torch
 
+from .. import lineage
 from ..engine import Engine, ZeroState
 from ..flat import Layout, leaf_paths, unflatten
 from . import commit
@@ -27,14 +28,26 @@ def _check_params(params, layout: Layout) -> None:
         raise CheckpointError("params do not have the structure the engine was initialized with")
 
 
-def full_master(params, state: ZeroState, engine: Engine):
+def full_master(params, state: ZeroState, engine: Engine, *, where: str = "checkpoint.full_master"):
     """The whole FP32 master, a pytree like ``params`` (keyed by the same paths), on every rank:
     this rank's shard (``engine.with_fp32_master``: rebuilt exactly with ``master="remainder"``)
     all-gathered with every other rank's. Collective: call on every rank. ``params``: the
-    params from ``init``/``step`` of the same step as ``state``."""
-    ready(engine)
-    engine.comm.arrive("checkpoint.full_master", timeout=engine.call_timeout)
-    return _gathered(engine.with_fp32_master(params, state, where="checkpoint.full_master").master, engine)
+    params from ``init``/``step`` of the same step as ``state``; params written since
+    (``fzero.lineage.checked_fp32_master``) and a state a donating step consumed raise, on
+    every rank. ``where`` names the call the user made in errors (``fm.state_dict`` calls it)."""
+    comm = ready(engine)[1]
+    comm.arrive(where, timeout=engine.call_timeout)
+    full = agree(comm, where, lambda: lineage.checked_fp32_master(params, state, engine, where=where))
+    return _gathered(full.master, engine)
+
+
+def _check_state(state: ZeroState, engine: Engine) -> None:
+    """``state`` may be exported: not consumed, and the params it was returned with (if they
+    are alive) are still its master cast (``fzero.lineage.checked_fp32_master``)."""
+    lineage.refuse_consumed(state, "checkpoint.export_full")
+    params = lineage.params_of(state.master)
+    if params is not None:
+        lineage.checked_fp32_master(params, state, engine, where="checkpoint.export_full")
 
 
 def _gathered(master: torch.Tensor, engine: Engine):
@@ -56,6 +69,11 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
 
     For an ``nn.Module`` (without ``moments``): ``module.load_state_dict({k.replace("/", "."): v
     for k, v in safetensors.torch.load_file(path).items()})``.
+
+    Refused on every rank, with nothing written: a state that a donating step consumed
+    (``donate=True``: it holds that step's values), and a state whose params -- the ones the
+    engine last returned with it, while they are alive -- were written behind its back
+    (``fzero.lineage.checked_fp32_master``: the file would hold the master without the write).
     """
     commit.need_safetensors()
     layout, comm = ready(engine)
@@ -70,6 +88,7 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
                                   "export_full(path, engine.with_fp32_master(params, state), engine)")
         if master.shape != (layout.shard_numel,):
             raise CheckpointError(f"state.master has shape {tuple(master.shape)}, the layout needs ({layout.shard_numel},)")
+        agree(comm, f"export_full {path}", lambda: _check_state(params_or_state, engine))
         leaves = optree.tree_leaves(_gathered(master, engine))
         kind = "master"
         if moments:

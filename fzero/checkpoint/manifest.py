@@ -22,9 +22,10 @@ every value of the manifest is checked before use (:func:`validate_manifest`): t
 are JSON integers, 0-d values JSON numbers of their dtype, dtypes known names), counts >= 0, the
 loss scale finite and > 0 (and for a ``DynamicLossScale`` engine within its ``[min_scale,
 max_scale]``), the built-in hyperparameters in the ranges their transforms accept
-(``transforms.base.HYPERPARAM_RULES``). A bad value raises ``CheckpointError`` naming the field.
-``save`` validates the manifest it is about to write the same way; ``extra`` must be strict JSON
-(no NaN or infinity).
+(``transforms.base.HYPERPARAM_RULES``), ``extra.step``, if any, an integer equal to ``step``. A
+bad value raises ``CheckpointError`` naming the field. ``save`` validates the manifest it is about
+to write the same way; ``extra`` must be strict JSON (no NaN or infinity) nested at most
+``MAX_DEPTH - 1`` deep.
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ from fzero.transforms.base import HYPERPARAM_RULES
 
 from ..flat import Layout
 from ..scaler import LossScaleState
-from .strict_json import DTYPES, VERSION, CheckpointError, Fields, check_header, dtype_name, json_value, non_finite
+from .strict_json import (
+    DTYPES, MAX_DEPTH, VERSION, CheckpointError, Fields, check_header, dtype_name, json_value, nested_too_deep, non_finite,
+)
 
 __all__ = ["FORMAT", "MANIFEST", "SHA256", "classify", "extra_json", "build_manifest", "validate_manifest"]
 
@@ -76,21 +79,30 @@ def classify(names, leaves, shard_numel: int) -> list[str]:
 
 def extra_json(extra: Any) -> str:
     """``extra`` as strict JSON text; CheckpointError naming the key of a NaN/infinity, or a
-    ``"step"`` that is not an integer >= 0 (it becomes the manifest's ``step``)."""
+    ``"step"`` that is not an integer >= 0 (it becomes the manifest's ``step``), or for an
+    ``extra`` nested deeper than a load reads (the manifest holds it one level below
+    ``MAX_DEPTH``)."""
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise CheckpointError(f"extra must be a dict or None, got {type(extra).__name__}")
-    found = non_finite(extra, "extra")
+    found = text = None
+    try:
+        found = non_finite(extra, "extra")
+        text = None if found else json.dumps(extra, allow_nan=False)
+    except RecursionError:  # nested too deep: refused below
+        pass
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra is not JSON serializable: {e}") from e
     if found:
         where, value = found
         raise CheckpointError(f"{where} = {value!r}: JSON has no NaN or infinity; store it as a string or None")
+    if text is None or nested_too_deep(text, MAX_DEPTH - 1):
+        raise CheckpointError(f"extra nests lists or dicts more than {MAX_DEPTH - 1} deep: a load refuses a manifest "
+                              f"nested more than {MAX_DEPTH} deep")
     step = extra.get("step", 0)
     if type(step) is not int or step < 0:  # not a bool, not 3.0
         raise CheckpointError(f"extra['step'] = {step!r}: must be an integer >= 0 (the checkpoint's step)")
-    try:
-        return json.dumps(extra, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"extra is not JSON serializable: {e}") from e
+    return text
 
 
 def build_manifest(layout: Layout, engine, names, leaves, kinds, scaler_state, extra_text: str, files: list) -> dict:
@@ -151,7 +163,11 @@ def validate_manifest(m: Any, file: str) -> dict:
     numel = _validate_layout(c, c.mapping("layout", c.get(m, "layout")))
     _validate_state(c, c.sequence("state", c.get(m, "state")))
     _validate_loss_scale(c, c.mapping("loss_scale", c.get(m, "loss_scale")))
-    c.mapping("extra", c.get(m, "extra"))
+    extra = c.mapping("extra", c.get(m, "extra"))
+    if "step" in extra:  # a save checks it (extra_json); a resume reads it
+        c.integer("extra.step", extra["step"])
+    if extra.get("step") != m["step"]:
+        c.fail("step", m["step"], f"must be extra.step ({extra.get('step')!r}), as a save writes it")
     _validate_files(c, c.sequence("files", c.get(m, "files")), n, numel)
     if "torch_version" in m:
         c.string("torch_version", m["torch_version"])

@@ -9,6 +9,10 @@ deletes it, and a load still reading it then raises ``CheckpointError`` ("replac
 loading"; load again) -- never data of two saves.
 
 ``recover`` checks a snapshot in full without a pointer (:func:`verify_snapshot`).
+
+The snapshot directory must be a real directory and its manifest and shard files regular files,
+none of them a symlink (:mod:`fzero.checkpoint.files`): a FIFO in place of one is refused, never
+read (a read would block).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any, NamedTuple
 from ..engine import ZeroState
 from ..flat import Layout, leaf_paths
 from ..scaler import DynamicLossScale, LossScaleState
+from . import files
 from .commit import POINTER, file_sha256, read_pointer
 from .form import converts, saved_form
 from .manifest import MANIFEST, classify, validate_manifest
@@ -56,12 +61,19 @@ def vanished(path: str, snapshot: str, file: str, what: str) -> CheckpointError:
     return CheckpointError(f"{what} {file} is missing")
 
 
+def _read_manifest_bytes(path: str, snapshot: str) -> tuple[str, bytes]:
+    """``(file, its bytes)`` of the manifest of ``snapshot``, a real directory in ``path``
+    (``FileNotFoundError`` if either is missing)."""
+    files.check_entry(os.path.join(path, snapshot), directory=True)
+    file = os.path.join(path, snapshot, MANIFEST)
+    return file, files.read_file(file)
+
+
 def read_snapshot_manifest(path: str, snapshot: str, digest: str) -> dict:
     """The manifest of ``snapshot``, checked against the pointer's sha256, then validated."""
     file = os.path.join(path, snapshot, MANIFEST)
     try:
-        with open(file, "rb") as f:
-            data = f.read()
+        file, data = _read_manifest_bytes(path, snapshot)
     except FileNotFoundError:
         raise vanished(path, snapshot, file, "manifest") from None
     sha = hashlib.sha256(data).hexdigest()
@@ -125,8 +137,9 @@ def _check_state(manifest: dict, names, leaves, kinds, where: str) -> None:
 
 def check_shard(file: str, entry: dict, *, sha256: bool) -> None:
     """The shard file has the size (and, with ``sha256``, the checksum) its manifest entry
-    records; ``FileNotFoundError`` if it is missing (the caller says why it may be)."""
-    size = os.path.getsize(file)
+    records; ``FileNotFoundError`` if it is missing (the caller says why it may be);
+    ``CheckpointError`` if it is not a regular file."""
+    size = files.regular_size(file)
     if size != entry["bytes"]:
         raise CheckpointError(f"shard file {file} has {size} bytes, the manifest says {entry['bytes']} (truncated or replaced)")
     if sha256:
@@ -148,10 +161,8 @@ def _check_files(manifest: dict, path: str, snapshot: str) -> None:
 def verify_snapshot(path: str, snapshot: str) -> str:
     """The snapshot in full, without a pointer (``recover``): its manifest is valid and every
     shard file has its recorded size and sha256. Returns the manifest's sha256."""
-    file = os.path.join(path, snapshot, MANIFEST)
     try:
-        with open(file, "rb") as f:
-            data = f.read()
+        file, data = _read_manifest_bytes(path, snapshot)
         manifest = validate_manifest(parse_json(data, file), file)
         for entry in manifest["files"]:
             shard = os.path.join(path, snapshot, entry["file"])

@@ -1,7 +1,10 @@
 """How fzero reads, writes and checks the small JSON files of a checkpoint (manifest, pointer, marker).
 
 * :func:`parse_json` is strict: no ``NaN``/``Infinity`` tokens, no numbers out of the float64
-  range, no duplicate keys; :func:`dump_json` writes no NaN or infinity either.
+  range, no duplicate keys, no arrays or objects nested more than ``MAX_DEPTH`` (100) deep --
+  checked before parsing (:func:`nested_too_deep`), so a crafted file gives a
+  ``CheckpointError`` naming it, never a ``RecursionError``; :func:`dump_json` writes no NaN or
+  infinity either.
 * :func:`json_value`/:func:`from_json_value` convert a 0-d tensor to its JSON number and back
   (float64 values round-trip bit for bit); a non-finite float is the string ``"inf"``,
   ``"-inf"`` or ``"nan"``.
@@ -22,11 +25,14 @@ from typing import Any
 import torch
 
 __all__ = [
-    "VERSION", "DTYPES", "CheckpointError", "dtype_name", "parse_json", "dump_json", "json_value",
+    "VERSION", "MAX_DEPTH", "DTYPES", "CheckpointError", "dtype_name", "nested_too_deep", "parse_json", "dump_json", "json_value",
     "from_json_value", "non_finite", "Fields", "check_header",
 ]
 
 VERSION = 2  # of every file: manifest, pointer and marker
+# How deep arrays and objects may nest in a file fzero reads (its own nest 5 deep; the rest is
+# for a save's ``extra``): deeper, parsing would recurse past Python's limit.
+MAX_DEPTH = 100
 
 DTYPES = {  # the dtypes a checkpoint stores, by name
     str(d).removeprefix("torch."): d
@@ -67,8 +73,33 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes included
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+
+
+def nested_too_deep(data: bytes | str, limit: int = MAX_DEPTH) -> bool:
+    """Whether the JSON text ``data`` may nest arrays/objects more than ``limit`` deep (exact
+    for balanced brackets; unbalanced text, invalid anyway, may be over-counted). Linear passes
+    in C, no recursion: the strings are cut out, the brackets kept, then each pass removes the
+    innermost pairs (one level)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    brackets = _STRING.sub(b"", data).translate(_SQUARE, _NOT_BRACKET)
+    for levels in range(limit):
+        inner = brackets.replace(b"[]", b"")
+        if len(inner) == len(brackets):  # no pair left: what remains is unmatched ("]]][[[")
+            return levels + inner.count(b"[") > limit
+        brackets = inner
+    return bool(brackets)
+
+
 def parse_json(data: bytes | str, file: str) -> Any:
-    """Strict JSON: no ``NaN``/``Infinity`` tokens, no numbers that overflow, no duplicate keys."""
+    """Strict JSON: no ``NaN``/``Infinity`` tokens, no numbers that overflow, no duplicate keys,
+    no nesting deeper than ``MAX_DEPTH``."""
+    if nested_too_deep(data):
+        raise CheckpointError(f"cannot read {file}: arrays or objects nested more than {MAX_DEPTH} deep "
+                              "(fzero's files nest 5 deep; a crafted or damaged file?)")
     try:
         return json.loads(data, parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as e:

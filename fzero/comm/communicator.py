@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from .. import arrival
-from ..flat import Layout, concat, split_buckets
+from ..flat import Layout, concat, split_buckets, tree_shard
 
 __all__ = ["Communicator", "predivide_factor"]
 
@@ -64,10 +64,25 @@ class Communicator:
         """Finish bucket ``i``'s reduce started with ``start_mean(..., wait=False)``."""
         return self.wait(x, f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)})")
 
-    def replicate_shard(self, shard: torch.Tensor) -> torch.Tensor:
-        """The first replica's ``shard`` (hybrid: a broadcast over the replicate group), so that
-        every copy of the state starts equal. Identity without replicas."""
-        return shard
+    def first_rank_shard(self, tree, layout: Layout, *, what: str) -> torch.Tensor:
+        """This rank's ``[S]`` FP32 shard of rank 0's ``tree`` (rank 0 of the whole data-parallel
+        world: replica 0, shard 0), as DDP broadcasts rank 0's params when it is built: ranks
+        that start from other values (a seed per rank, pretrained weights loaded on rank 0 only)
+        all train rank 0's, never a patchwork of every rank's own shard. One broadcast of each
+        rank's ``[S]`` shard in turn (rank 0 builds it from its leaves, ``S`` elements at a time:
+        ``fzero.flat.tree_shard``), ``4P`` bytes received per rank, like DDP's; none at one rank.
+        ``what`` names the tree in a failure's message. Off the hot path (``init``)."""
+        if self.data_parallel == 1 or self.simulated:  # a simulated world holds identical tensors
+            return tree_shard(tree, layout, self.rank, dtype=torch.float32)
+        device, mine = layout.treespec.flatten_up_to(tree)[0].device, None
+        for r in range(self.world_size):
+            if self.rank == 0:  # shard 0 of every replica builds it; the broadcast keeps replica 0's
+                src = tree_shard(tree, layout, r, dtype=torch.float32)
+            else:
+                src = torch.empty(layout.shard_numel, dtype=torch.float32, device=device)
+            got = self.broadcast(src, f"rank 0's {what}, shard {r} of {self.world_size}")
+            mine = got if r == self.rank else mine
+        return mine
 
     def start_mean(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
         """Bucket ``i``'s ``[N*S_b]`` grads (a buffer the caller gives up: pre-divided in place)

@@ -115,7 +115,7 @@ class Comm(Communicator):
         try:
             out = fn(*args)
         except RuntimeError as e:
-            raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
+            raise self._failed(what, e) from e
         return self.wait(out, what) if wait else out
 
     def wait(self, x: torch.Tensor, what: str = "collective") -> torch.Tensor:
@@ -123,7 +123,13 @@ class Comm(Communicator):
         try:
             return completed(x)
         except RuntimeError as e:
-            raise CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}") from e
+            raise self._failed(what, e) from e
+
+    def _failed(self, what: str, e: RuntimeError) -> CollectiveError:
+        """The error of collective ``what``: this rank, torch's reason, and where the peers are
+        if one of them waits in a collective fzero call this rank never made."""
+        return CollectiveError(f"fzero: {what} failed on rank {self.rank} of {self.world_size}: {e}."
+                               + arrival.elsewhere(self.group))
 
     def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
                               donated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -82,9 +82,6 @@ class HybridComm(Comm):
         """Bucket ``i``'s reduced ``[S_b]`` part of the shard group, summed over the replicas."""
         return self._sum_replicas(part, lambda: f"all_reduce of grads over replicas (bucket {i} of {len(layout.buckets)})")
 
-    def replicate_shard(self, shard: torch.Tensor) -> torch.Tensor:
-        return self._from_first_replica(shard, "the initial shard")
-
     def broadcast(self, x: torch.Tensor, what: str = "a tensor") -> torch.Tensor:
         """Rank 0 of the whole data-parallel world's ``x`` (replica 0, shard 0) on every rank:
         from shard 0 inside each shard group, then from replica 0 over the replicate group."""
