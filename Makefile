@@ -1,6 +1,6 @@
 # `make test`  : set up .venv (if absent) and run every test, in TEST_JOBS parallel workers.
-# `make test-fast`: the unit tier without its slow tests (no process group, no subprocess): the
-#                edit-test loop, about 75 s with a warm inductor cache (the first run fills it).
+# `make test-fast`: the unit tier without its slow tests (no process group, no subprocess, none of
+#                the compile-heavy tests): the edit-test loop, about 40 s (1.5 min with empty caches).
 # `make train` : set up .venv and run the main job: a character-level GPT, FP16 + dynamic loss
 #                scaling, 2 ZeRO-1 ranks on CPU (gloo), about 2 minutes.
 VENV   ?= .venv

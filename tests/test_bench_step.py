@@ -8,7 +8,7 @@ import step as bench  # benchmarks/step.py: pyproject.toml puts benchmarks/ on p
 from helpers import torch_adamw
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_the_ideal_step_is_torch_adamw_and_casts_the_params(dtype, compiled):
     n, steps = 1000, 3

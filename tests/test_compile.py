@@ -33,6 +33,7 @@ def run(step, engine, p0, seq, *, lr_at=None):
 
 # The update in the step's graph, as it runs for small leaves and on a GPU. A CPU's compiled step
 # runs large leaves' update leaf by leaf: tests/test_leafwise.py holds it to this path's bits.
+@pytest.mark.slow
 @pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
 def test_compiled_step_equals_eager_and_never_recompiles(param_dtype):
     p0 = odd_params()
@@ -57,6 +58,7 @@ def test_compiled_step_equals_eager_and_never_recompiles(param_dtype):
         torch.testing.assert_close(a, b, rtol=1e-2 if param_dtype == torch.bfloat16 else 1e-3, atol=0)
 
 
+@pytest.mark.slow
 def test_compiled_step_with_8_bit_moments_equals_eager_and_never_recompiles():
     """One graph; the compiled update may round the FP32 moments differently in the last bit,
     which moves a stored code by at most one level."""
@@ -77,6 +79,7 @@ def test_compiled_step_with_8_bit_moments_equals_eager_and_never_recompiles():
     assert_compiled_state_close(c[1].tx_state, e[1].tx_state)
 
 
+@pytest.mark.slow
 def test_compiled_step_with_8_bit_moments_holds_no_fp32_moments():
     """The new FP32 moments are needed by two loops (each block's largest magnitude, then the
     encode and the update): recomputed in the second, not stored in between (``scale_by_adam``).
@@ -146,6 +149,7 @@ def test_step_and_accumulate_make_no_host_sync(donate):
     assert not info["found_inf"] and state.tx_state[1][0].count.item() == 3
 
 
+@pytest.mark.slow
 def test_params_from_a_compiled_pure_step_are_still_one_flat_buffer():
     """Inductor returns the new leaves as aliases of one buffer without autograd's view link
     (``_base`` is None): flat_params and grad_and_value must take them all the same."""
@@ -165,6 +169,7 @@ def test_params_from_a_compiled_pure_step_are_still_one_flat_buffer():
     torch.testing.assert_close(shard.grads, fzero.flatten(torch.func.grad(loss)(params), engine.layout))
 
 
+@pytest.mark.slow
 def test_whole_train_step_compiles_into_one_graph():
     """Forward, backward and engine.step in one graph (differentiating the flat buffer), equal to
     the same train step run eagerly."""
@@ -196,6 +201,7 @@ def test_whole_train_step_compiles_into_one_graph():
     torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_compiled_step_takes_reduced_shards_after_another_layout():
     """Compiled steps from ``grad_and_value``'s reduced shards, for several layouts in one
     process (dynamo retraces ``Engine.step``, and may trace the sizes as symbols), equal eager."""

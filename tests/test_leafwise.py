@@ -58,6 +58,7 @@ def train(p0, seq, param_dtype, *, flat, lr_at=None, **kw):
 
 # Donated and pure, each with buckets (padding between leaves: where each writes), one dtype each.
 # Without buckets, donated, in both dtypes: the two tests after this one, bit for bit too.
+@pytest.mark.slow
 @pytest.mark.parametrize("param_dtype,donate", [(torch.bfloat16, True), (torch.float16, False)])
 def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, donate, monkeypatch):
     """Every param, the master and the moments, padding included (several buckets: padding
@@ -78,6 +79,7 @@ def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, donate, monkeypa
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_many_leaves_compile_two_graphs_and_match_the_flat_step(monkeypatch):
     """10 leaves of 10 sizes in groups of 4: the update compiles one graph for the full groups
     and one for the last, whatever the sizes (dynamic), none a recompile; the results are the
@@ -99,6 +101,7 @@ def test_many_leaves_compile_two_graphs_and_match_the_flat_step(monkeypatch):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_leaf_by_leaf_with_bf16_moments_equals_the_flat_step_bitwise():
     """BF16 moments are ``[S]`` tensors too, elementwise: the same path, the same bits."""
     p0 = odd_params()
@@ -118,6 +121,7 @@ def test_leaf_by_leaf_with_bf16_moments_equals_the_flat_step_bitwise():
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_leaf_by_leaf_writes_in_place_and_copies_no_grads():
     """The params come back as the very leaves given, and the step's graph allocates no flat
     buffer: the grads are read as leaves, not laid out into one."""
@@ -137,6 +141,7 @@ def test_leaf_by_leaf_writes_in_place_and_copies_no_grads():
     assert not big, f"the compiled step allocates {big}; the layout has {engine.layout.padded_numel} elements"
 
 
+@pytest.mark.slow
 def test_params_outside_their_buffer_raise_before_anything_is_written():
     """Params that are not views of one flat buffer (the engine's are) cannot be cast into in
     place: a clear error, and master and moments keep every bit."""
@@ -154,6 +159,7 @@ def test_params_outside_their_buffer_raise_before_anything_is_written():
     assert not torch.equal(state.master, before.master)
 
 
+@pytest.mark.slow
 def test_leaf_by_leaf_takes_accumulated_grads():
     """An ``Accumulated`` FP32 sum is one piece: each leaf's update reads its slice of it."""
     p0 = odd_params()
@@ -169,6 +175,7 @@ def test_leaf_by_leaf_takes_accumulated_grads():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
     """8-bit moments keep one scale per block of elements, across leaves: the update stays inside
     the step's graph."""
@@ -183,6 +190,7 @@ def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
     assert counters["stats"]["unique_graphs"] == 1 and engine._compiled_update.leaves is None
 
 
+@pytest.mark.slow
 def test_small_leaves_or_a_small_model_keep_the_update_in_the_steps_graph(monkeypatch):
     """Leaves below ``MIN_MEAN_NUMEL`` elements on average, or fewer than ``MIN_NUMEL`` elements
     in all: the host time per leaf would cost more than the step graph's concatenation, so the

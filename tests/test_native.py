@@ -76,6 +76,7 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
 # params (``cast_on_skip``, whose cast the edges test below takes in every dtype). FP32 params
 # beside an FP32 master (written as its copy) and as the master itself (``master="params"``:
 # leaf by leaf, the master is then the params' own buffer, checked before the kernel reads it).
+@pytest.mark.slow
 @pytest.mark.parametrize("param_dtype,donate,master", [(torch.float16, True, "fp32"), (torch.bfloat16, True, "fp32"),
                                                        (torch.bfloat16, False, "fp32"), (torch.float32, True, "fp32"),
                                                        (torch.float32, True, "params")])
@@ -169,6 +170,7 @@ def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip)
         assert all(torch.equal(a, b) for a, b in zip(before, (m0, mu, nu)))
 
 
+@pytest.mark.slow
 def test_a_transform_it_cannot_run_never_calls_it(monkeypatch, leaf_by_leaf_at_any_size):
     """Clipping before AdamW (the grads times a factor the kernel does not take), a decay mask
     or BF16 moments: ``update.native_fused`` declines each, and the step runs torch's kernel or
@@ -216,6 +218,7 @@ def test_where_it_runs_the_update_the_models_size_alone_picks_leaf_by_leaf(monke
     assert fzero.leafwise.MIN_MEAN_NUMEL * 4 > 55
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("param_dtype,master", [(torch.bfloat16, "fp32"), (torch.float32, "params")])
 def test_leaf_by_leaf_params_outside_their_buffer_raise_before_the_kernel_writes(param_dtype, master,
                                                                                  leaf_by_leaf_at_any_size):

@@ -109,6 +109,7 @@ def test_a_group_without_leaves_keeps_an_empty_state_and_updates_nothing():
     torch.testing.assert_close(got["b"], want["b"], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_compiled_partition_matches_eager():
     params = model()
     seq = [grads_like(params, i) for i in range(3)]

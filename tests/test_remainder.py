@@ -134,7 +134,7 @@ def train(master, *, compiled=False, donate=False, rank=0, steps=STEPS, engine_k
                              rank=rank, engine_kw=engine_kw)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
 def test_remainder_trains_bit_for_bit_like_an_fp32_master(compiled, donate):
     ref_engine, _, ref_state, ref, _ = train("fp32", compiled=compiled, donate=donate)

@@ -95,7 +95,7 @@ def train_fp32(master, *, compiled=False, donate=False, rank=0, steps=STEPS):
     return engine, params, state, ss, [p for p, _ in history]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
 def test_the_params_as_master_train_bit_for_bit_like_an_fp32_master_in_4s_less(compiled, donate):
     ref_engine, _, ref_state, _, ref = train_fp32("fp32", compiled=compiled, donate=donate)

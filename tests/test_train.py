@@ -749,6 +749,7 @@ def guards_may_read_scalars():
         torch.Tensor.item = trap
 
 
+@pytest.mark.slow
 def test_train_step_makes_no_host_sync_and_compiles_once():
     """What the loop runs between log steps -- the batch, the compiled train step, adding to the
     log window -- under a trap that makes every Tensor -> Python conversion raise and with
@@ -787,6 +788,7 @@ def test_train_step_makes_no_host_sync_and_compiles_once():
     assert all((r["grad_norm"] is None) == r["found_inf"] for r in records)
 
 
+@pytest.mark.slow
 def test_train_step_keeps_its_grads_buffer_and_trains_as_with_a_new_one_each_step():
     """``make_train_step`` (compiled, one bucket) has backward write the flat grads into one
     buffer kept across steps (``grads_into``); with ``keep_grads=False`` it takes ``flat.grad``,

@@ -254,6 +254,7 @@ def test_chunked_eager_update_is_bitwise_the_whole_shard_update(param_dtype, don
     assert counts and all(c == 4 for c in counts)  # 0-d state: advanced once per applied step, not per chunk
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("moments,donate", [(torch.bfloat16, False), (torch.int8, True)])
 def test_low_precision_moments_compile_their_chunk_update_and_skip_the_same(moments, donate, monkeypatch):
     """From ``COMPILE_NUMEL`` shard elements (lowered here to 512), an eager step with BF16 or
