@@ -248,16 +248,19 @@ class _Guard:
 
     def __init__(self, net: nn.Module):
         self.name, self.held, self.inside, self.binding = type(net).__name__, False, 0, None
+        # an older torch has the load pre-hook under its private name only (the same hook signature)
+        load_hook = getattr(net, "register_load_state_dict_pre_hook", None) or (
+            lambda hook: net._register_load_state_dict_pre_hook(hook, with_module=True))
         self.handles = [net.register_forward_pre_hook(self._forward),
-                        net.register_state_dict_pre_hook(self._state_dict),
-                        net.register_load_state_dict_pre_hook(self._load_state_dict)]
+                        net.register_state_dict_pre_hook(self._state_dict), load_hook(self._load_state_dict)]
 
     @classmethod
     def install(cls, net: nn.Module) -> "_Guard":
         """A new guard on ``net``; an earlier one's hooks removed and its binding released."""
         old = net.__dict__.get("_fzero_guard")
         if old is not None:
-            old.binding.release()
+            if old.binding is not None:  # None: that functional(net) raised before binding
+                old.binding.release()
             for h in old.handles:
                 h.remove()
         guard = net.__dict__["_fzero_guard"] = cls(net)

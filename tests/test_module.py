@@ -446,8 +446,10 @@ def test_frozen_params_are_not_trained_and_hold_no_state_as_torch_optim():
     for k, v in net.state_dict().items():
         torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     assert all(torch.equal(net.a.state_dict()[k], v) for k, v in frozen.items())  # not moved, bit for bit
+    lin = nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ValueError, match="every parameter of Linear has requires_grad=False"):
-        fzero.module.functional(nn.Linear(2, 2).requires_grad_(False))
+        fzero.module.functional(lin)
+    assert list(fzero.module.functional(lin.requires_grad_(True)).params) == ["weight", "bias"]  # a later try works
 
 
 def test_the_net_refuses_its_own_forward_and_state_dicts_while_fzero_trains_it():
