@@ -6,7 +6,7 @@ one of two forms:
 * ``Unreduced(buckets, owned)``: this rank's grads, one ``[N*S_b]`` buffer per bucket -- from a
   grads pytree (laid out by ``fzero.flat``), the grad of the flat buffer (``flat_params``), or a
   stage-1 ``Accumulated`` (its FP32 ``[N*S]`` sum over micro-batches);
-* ``Reduced(shard, factor, count)``: this rank's ``[S]`` shard, already reduced over ranks:
+* ``Reduced(shard, factor)``: this rank's ``[S]`` shard, already reduced over ranks:
   ``shard * factor`` is the mean over ranks (of the sum over micro-batches, for an
   ``Accumulated``) -- from a ``GradFn`` (``Engine.grad_and_value``: reduce-scattered inside
   backward, see ``fzero.backward``) or a stage-2 ``Accumulated``.
@@ -15,7 +15,7 @@ Micro-batches are summed, as DDP sums them under ``no_sync``: the step applies t
 micro-batches of each one's grads averaged over ranks, never their mean. For the grads of the
 whole batch's mean loss, divide each micro-batch's loss by the number of micro-batches
 (``loss / ACCUM``, as with DDP and ``torch.optim``). ``Accumulated.count`` only reports how many
-micro-batches a sum holds; ``Reduced.count``, what the step divides by, is always 1.
+micro-batches a sum holds; the step divides by none.
 
 ``GradPath.reduce`` turns either into ``Reduced`` (one reduce-scatter per bucket for the first).
 The ``factor`` (``Comm.mean_factor``) stays separate so that the step folds it into its one FP32
@@ -70,13 +70,11 @@ class Unreduced(NamedTuple):
 
 class Reduced(NamedTuple):
     """This rank's ``[S]`` shard reduced over ranks: ``shard * factor`` is the mean over ranks
-    (summed over micro-batches, for an ``Accumulated``); ``count``: what the step divides it by
-    (``fzero.update.ShardGrads``), 1: micro-batches are summed, as DDP's ``no_sync`` sums them;
+    (summed over micro-batches, for an ``Accumulated``, as DDP's ``no_sync`` sums them);
     ``owned``: ``shard`` is no caller's tensor, so the step may overwrite it."""
 
     shard: torch.Tensor
     factor: float
-    count: torch.Tensor | int
     owned: bool
 
 
@@ -183,7 +181,7 @@ class GradPath:
         flat grads are reduced in their own buffer."""
         if not isinstance(grads, Accumulated):
             if segments and self.comm.data_parallel == 1:
-                return Reduced(self.segments(grads), 1.0, 1, False)
+                return Reduced(self.segments(grads), 1.0, False)
             # Grads narrower than the reduce dtype are reduced as they are and summed in it
             # (``Communicator.reduce_scatter_mean``): no wider copy of them is made here.
             dtype, sum_dtype = (self.param_dtype, self.reduce_dtype) if self.widened else (self.reduce_dtype, None)
@@ -191,7 +189,7 @@ class GradPath:
             owned = new_buffers or (donated and self.comm.data_parallel > 1)
             return Unreduced(self.buckets(grads, dtype), owned, sum_dtype)
         if self._check_accumulated(grads):  # the sum over micro-batches is applied as it is (DDP's)
-            return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), 1, False)
+            return Reduced(grads.grads, self.comm.mean_factor(self.reduce_dtype), False)
         return Unreduced(split_buckets(grads.grads, self.layout), False)
 
     def segments(self, grads: Any) -> Segments:
@@ -229,7 +227,7 @@ class GradPath:
         if isinstance(form, Reduced):
             return form
         shard, factor = self.comm.reduce_scatter_mean(form.buckets, self.layout, donated=form.owned, dtype=form.sum_dtype)
-        return Reduced(shard, factor, 1, form.owned or self.comm.data_parallel > 1)
+        return Reduced(shard, factor, form.owned or self.comm.data_parallel > 1)
 
     # ------------------------------------------------------------------ micro-batches
     def accumulate(self, acc: Accumulated | None, grads: Any) -> Accumulated:

@@ -237,23 +237,22 @@ def _slices(tree: Any, S: int, block: int, lo: int, hi: int) -> Any:
 
 
 class ShardGrads(NamedTuple):
-    """This rank's reduced grads as the update reads them: ``shard * factor`` is the sum over
-    ``count`` micro-batches of the mean over ranks of the grads times ``scale`` (the loss scale);
+    """This rank's reduced grads as the update reads them: ``shard * factor`` is the mean over
+    ranks of the grads (summed over micro-batches) times ``scale`` (the loss scale);
     ``shard`` is the ``[S]`` tensor, or ``Segments`` of it (the eager fused step).
     ``owned``: ``shard`` is no caller's tensor. ``grad_scale`` (0-d FP32): what the grads are
     divided by to be the mean unscaled grads."""
 
     shard: torch.Tensor | Segments
     factor: float
-    count: torch.Tensor | int
     scale: torch.Tensor
     owned: bool
     grad_scale: torch.Tensor
 
     @classmethod
     def of(cls, reduced: Reduced, scale: torch.Tensor) -> "ShardGrads":
-        grad_scale = scalar(scale * reduced.count / reduced.factor)
-        return cls(reduced.shard, reduced.factor, reduced.count, scale, reduced.owned, grad_scale)
+        grad_scale = scalar(scale / reduced.factor)
+        return cls(reduced.shard, reduced.factor, scale, reduced.owned, grad_scale)
 
     def segments(self) -> Segments:
         return self.shard if isinstance(self.shard, Segments) else Segments.of(self.shard, self.owned)
@@ -261,7 +260,7 @@ class ShardGrads(NamedTuple):
     @property
     def mean_factor(self) -> torch.Tensor:
         """What ``shard`` is multiplied by to be the mean unscaled grads (0-d FP32)."""
-        return scalar(self.factor / (self.scale * self.count))
+        return scalar(self.factor / self.scale)
 
     def mean(self, device: torch.device, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """The FP32 mean unscaled grads ``[lo:hi]`` (default: all ``[S]``) on ``device``: one

@@ -28,7 +28,7 @@ def shard_problem(S=1000, seed=0):
     mask = torch.arange(S) % 3 > 0
     tx_state = tx.init(master, context=transforms.ShardContext({"w": master}, lambda _: mask))
     g = (torch.randn(S, generator=gen) * 8).half()
-    return tx, master, tx_state, ShardGrads.of(Reduced(g, 1.0, 1, False), torch.tensor(8.0))
+    return tx, master, tx_state, ShardGrads.of(Reduced(g, 1.0, False), torch.tensor(8.0))
 
 
 def mode(**kw):
