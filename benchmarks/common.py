@@ -94,8 +94,8 @@ def paired_ratio(a, b, device: torch.device, *, rounds: int, iters: int = 5) -> 
 
 def leaf_by_leaf(engine) -> bool:
     """Whether ``engine`` (after ``init``) runs the compiled update from a grads pytree leaf by
-    leaf (``fzero.leafwise``; ``Engine._leafwise`` decides at ``init``)."""
-    return engine._compiled_update.leaves is not None
+    leaf (``fzero.cpu.leafwise``; ``fzero.plan.kernels`` decides at ``init``)."""
+    return engine._kernels.leaves is not None
 
 
 def hardware(device: torch.device) -> str:

@@ -191,7 +191,7 @@ def grads_pytree_train_step(engine, loss_fn):
     """The step a user writes first: the loss a compiled function of the params (as a torch user
     compiles a module), its per-leaf grads as backward made them, and the compiled step from that
     grads pytree (at world size 1 on a CPU, the update leaf by leaf where the kernel runs,
-    ``fzero.leafwise``, and no flat grads buffer; on more ranks the step lays the grad leaves
+    ``fzero.cpu.leafwise``, and no flat grads buffer; on more ranks the step lays the grad leaves
     out for the reduce-scatter)."""
     optimizer_step = torch.compile(engine.step, fullgraph=True)
     compiled_loss = torch.compile(loss_fn)

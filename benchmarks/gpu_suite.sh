@@ -30,10 +30,10 @@ if ! "$PY" -c "import optree, sys; sys.exit(tuple(map(int, optree.__version__.sp
   echo "optree >= 0.14 is not importable by $PY: install its wheel (pip install --no-index optree-*.whl) and rerun" | tee -a "$OUT/suite.log"
   exit 1
 fi
-# transforms/ and models/ are fzero.transforms and fzero.models through the links fzero/transforms and
-# fzero/models: a copy of the checkout that dropped them cannot import them.
+# transforms/ and models/ are fzero.transforms and fzero.models (found through the checkout's root
+# when fzero is not installed): a copy of the checkout without them cannot import them.
 if ! "$PY" -c "import fzero.transforms, fzero.models" 2>/dev/null; then
-  echo "fzero.transforms is not importable by $PY: the links fzero/transforms and fzero/models must come with the checkout" | tee -a "$OUT/suite.log"
+  echo "fzero.transforms is not importable by $PY: the folders transforms/ and models/ must come with the checkout" | tee -a "$OUT/suite.log"
   exit 1
 fi
 run benchmarks/sync_check.py

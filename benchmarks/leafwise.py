@@ -1,5 +1,5 @@
-"""Where the compiled step from a grads pytree runs its update leaf by leaf (``fzero.leafwise``)
-and where in the step's graph, on a CPU: both paths of ``Engine._leafwise`` side by side on
+"""Where the compiled step from a grads pytree runs its update leaf by leaf (``fzero.cpu.leafwise``)
+and where in the step's graph, on a CPU: both paths of ``fzero.plan._leafwise`` side by side on
 ``fzero.models.gpt`` at several widths (``--config``'s depth and leaves, ``n_embd`` each of
 ``--widths``), world size 1, ``donate=True``, AdamW, params and grads in ``--dtype`` (FP16 with
 a dynamic loss scale). ``torch.compile(engine.step, fullgraph=True)`` from the grads pytree;
@@ -29,7 +29,7 @@ import torch._dynamo
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GPT_CONFIGS, hardware, leaf_by_leaf, table  # noqa: E402
 import fzero  # noqa: E402
-import fzero.leafwise  # noqa: E402
+import fzero.cpu.leafwise  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 
@@ -45,7 +45,7 @@ def engine_on(path: str | None, dtype: torch.dtype, params):
     engine = fzero.zero1(transforms.adamw(lr=3e-4, weight_decay=0.1), param_dtype=dtype, loss_scale=scaling,
                          donate=True)
     told = PATHS.get(path)
-    forced = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves, native: told)
+    forced = (mock.patch.object(fzero.cpu.leafwise, "worthwhile", lambda numel, leaves, native: told)
               if path is not None else contextlib.nullcontext())
     with forced:
         carry = engine.init(params)
@@ -100,7 +100,7 @@ def main(argv=None):
     print(f"\nfzero.models.gpt, --config {args.config} at each width, {args.dtype}, the compiled step from the grads "
           f"pytree, donate=True, {hardware(torch.device('cpu'))}; median of {args.rounds} alternating blocks of "
           f"{args.steps} steps. Where fzero's own kernel runs the update, the engine picks leaf by leaf from "
-          f"{fzero.leafwise.NATIVE_MIN_NUMEL:,} elements (fzero.leafwise.NATIVE_MIN_NUMEL)\n")
+          f"{fzero.cpu.leafwise.NATIVE_MIN_NUMEL:,} elements (fzero.cpu.leafwise.NATIVE_MIN_NUMEL)\n")
     print(table([[r["width"], f"{r['numel']:.3g}", r["leaves"], f"{r['ms']['graph']:.2f}", f"{r['ms']['leaves']:.2f}",
                   f"{r['ratio']:.3f}", "leaf by leaf" if r["chosen"] else "step's graph", "yes" if r["same"] else "NO",
                   f"{r['first']['graph']:.1f} / {r['first']['leaves']:.1f}"] for r in rows],

@@ -6,7 +6,8 @@ Every row is ``engine.step`` at world size 1 on ``traffic.py``'s leaves (8.4e6 e
 by default), FP16 grads in a pytree, dynamic loss scale, ``donate=True``, FP32 master;
 ``adamw(lr=1e-4, mu_dtype=m, nu_dtype=m)``. Eager, FP32 moments take torch's fused AdamW kernel
 chunk by chunk; BF16 and 8-bit ones the generic update, each chunk's compiled from
-``fzero.update.COMPILE_NUMEL`` elements up (no bytes counted then: the counter sees eager ops only).
+``fzero.update.COMPILE_NUMEL`` elements up (no bytes counted then: under the counter they would run
+eagerly, ``fzero.update.own_compile``).
 Compiled: ``torch.compile(engine.step, fullgraph=True)``. The ratio of each row to the FP32-moment
 row of the same kind comes from alternating paired rounds (``--rounds``), which cancel drift in the
 machine's speed.
@@ -82,8 +83,10 @@ def main(argv=None):
             step, state_bytes = fzero_step(shapes, dev, moments, compiled=kind == "compiled")
             if kind == "eager" and (moments is None or P < COMPILE_NUMEL):
                 nbytes, t = measure(step, dev, iters)
-            else:  # the counter is a dispatch mode, which a compiled graph (also the eager step's
-                # compiled chunks for BF16 and 8-bit moments, fzero.update.compiled_chunks) does not run under
+            else:  # the counter is a dispatch mode: under it dynamo compiles nothing, so the eager step's
+                # compiled chunks (BF16 and 8-bit moments, fzero.cpu.chunked.compiled_chunks) run the same
+                # function eagerly (fzero.update.own_compile), and it would count those eager ops' bytes,
+                # not the compiled kernel's
                 nbytes, t = None, median_time(step, dev, iters=iters, warmup=2)
             steps[name] = step
             results[f"{kind} {name}"] = {"ms": t * 1e3, "state_B_per_elem": state_bytes,

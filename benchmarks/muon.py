@@ -43,7 +43,7 @@ from fzero import transforms  # noqa: E402
 from fzero.comm import Comm  # noqa: E402
 from fzero.comm.collectives import FUNCTIONAL  # noqa: E402
 from fzero.models import gpt  # noqa: E402
-from fzero.shard_view import assign  # noqa: E402
+from fzero.whole_leaves import assign  # noqa: E402
 from fzero.transforms.muon import newton_schulz  # noqa: E402
 from common import GPT_CONFIGS, hardware, profile_table, rows_of_ranks, sample_times, sync, table  # noqa: E402
 

@@ -22,8 +22,8 @@ with the pure default, and compiled on the flat buffer (``engine.flat_params``: 
 flat); world size 1, FP16 params and grads with a dynamic loss scale (``--dtype bf16``: BF16, no
 loss scale; ``--dtype fp32``: FP32 params that are their own master, for the fzero rows). The
 compiled step from the pytree runs its update leaf by leaf on a CPU where the model
-and its leaves are large enough (``fzero.leafwise.worthwhile``), else (and on a GPU) in the
-step's graph (``Engine._leafwise``); on a CPU a last row runs the other path. Prints a markdown
+and its leaves are large enough (``fzero.cpu.leafwise.worthwhile``), else (and on a GPU) in the
+step's graph (``fzero.plan.kernels``); on a CPU a last row runs the other path. Prints a markdown
 table with x floor and ratios and, on a CPU, each row's fresh MiB (the memory a call touched for
 the first time, mean of 3 calls, ``common.fresh_mib``: whether the pure rows met as many fresh
 pages as the floor in this run; an allocator that keeps freed memory hands out none), then the
@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
+import fzero.cpu.leafwise  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.transforms import scalar  # noqa: E402
 from fzero.models import gpt  # noqa: E402
@@ -218,7 +219,7 @@ def main(argv=None):
                   ("fzero compiled, flat buffer (engine.flat_params)", "flat buffer", True, True, True)]
     # On a CPU the compiled update from the pytree runs leaf by leaf for enough elements (in large
     # enough leaves, unless fzero's own kernel runs it), else in the step's graph: what the
-    # engine chose at init (fzero.leafwise.worthwhile); the other path too.
+    # engine chose at init (fzero.cpu.leafwise.worthwhile); the other path too.
     runs_leaves = False
     if dev.type == "cpu":
         probe = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=True, master=master)
@@ -230,7 +231,7 @@ def main(argv=None):
         if compiled and not args.compile:
             continue
         engine = fzero.zero1(transforms.adamw(lr=1e-4), param_dtype=dtype, donate=donate, master=master)
-        other_path = (mock.patch.object(fzero.leafwise, "worthwhile", lambda numel, leaves, native: not runs_leaves)
+        other_path = (mock.patch.object(fzero.cpu.leafwise, "worthwhile", lambda numel, leaves, native: not runs_leaves)
                       if key == "other path" else contextlib.nullcontext())
         with other_path:  # the engine chooses at init
             carry = list(engine.init(params32))  # params, state, scaler_state

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from .flat import Layout
+from .layout import Layout
 
 __all__ = ["grad_and_value"]
 

@@ -10,9 +10,12 @@ from typing import Any
 import optree
 import torch
 
-from .flat import Layout, leaf_paths
-from .mode import compiling
+from fzero.transforms.tree import leaf_paths
+
+from .layout import Layout
+from .memory import shared_memory
 from .scaler import DynamicLossScale, LossScaleState, StaticLossScale
+from .tracing import compiling
 
 __all__ = [
     "PARAM_DTYPES",
@@ -23,12 +26,9 @@ __all__ = [
     "check_flat",
     "check_state",
     "first_difference",
-    "shared_memory",
 ]
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 
 
 def check_param_dtype(dtype) -> torch.dtype:
@@ -74,7 +74,8 @@ def check_state(state: Any, scaler_state: Any, state_type: type, master_numel: i
                          "the state of another engine (another model, world size, layout or master=)?")
     # Dynamo cannot trace a PyTreeSpec comparison; compiled, the leaves are still checked. The
     # leaves' paths are built only for an error: traced, optree's calls are interpreted bytecode
-    # by bytecode, and the paths were a quarter of what dynamo traced of a step.
+    # by bytecode, and the paths were a large part of what dynamo traced of a step
+    # (benchmarks/results/history/compile_time.md).
     if compiled:
         leaves = optree.tree_leaves(state.tx_state)
     else:
@@ -111,18 +112,6 @@ def check_params(params: Any) -> None:
         if leaf.device != device:
             raise ValueError(f"params leaf {path!r} is on {leaf.device}, other leaves on {device}")
     _check_untied(paths, leaves)
-
-
-def shared_memory(leaves: list[torch.Tensor]) -> tuple[int, int] | None:
-    """The indices of two of ``leaves`` whose memory overlaps (one tensor twice, or views of
-    one storage), or ``None``."""
-    spans = sorted((x.untyped_storage().data_ptr() + x.storage_offset() * x.element_size(), i) for i, x in enumerate(leaves)
-                   if x.numel() > 0)
-    for (lo, i), (next_lo, j) in zip(spans, spans[1:]):
-        x = leaves[i]
-        if next_lo < lo + x.numel() * x.element_size() and x.untyped_storage().data_ptr() == leaves[j].untyped_storage().data_ptr():
-            return i, j
-    return None
 
 
 def _check_untied(paths: list[str], leaves: list[torch.Tensor]) -> None:

@@ -5,7 +5,8 @@ from typing import Any
 
 import torch
 
-from .flat import leaf_paths
+from fzero.transforms.tree import leaf_paths
+
 from .lineage import refuse_consumed
 
 __all__ = ["nonfinite_leaves"]

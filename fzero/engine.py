@@ -11,32 +11,29 @@ Per rank, with P parameter elements, N ranks and S = padded P / N:
 * ``scaler_state``: the 0-d loss-scale tensors.
 
 The step is pure unless ``donate=True``: it returns new params/state and leaves its inputs
-untouched. Where the parts live: the flat layout in ``fzero.flat``, every collective in
-``fzero.comm``, the gradient forms and accumulation in ``fzero.grads``, the decisions of a step
-in ``fzero.mode``, its stages in ``fzero.stages``, the update variants in ``fzero.update``, how
-the master is stored in ``fzero.storage``, the state and binding ``init`` builds in
-``fzero.binding``, the loss scale in ``fzero.scaler``.
+untouched. Its path is ``fzero.plan``'s, its stages ``fzero.stages``' (docs/design.md maps the rest).
 """
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import optree
 import torch
 
-from . import checks, lineage, stages
-from .binding import Binding, ZeroState, config_table, fresh_state, to_state_device
-from .comm import Comm, SimulatedComm, comm_of_mesh
-from .flat import Layout, flat_buffer, make_layout, unflatten
-from .grads import Accumulated, GradFn, GradPath
-from . import leafwise, native
-from .mode import StepMode, compiling
+from . import checks, lineage, plan, stages
+from .binding import (Binding, ZeroState, communicator, config_table, first_rank_shard, fresh_state, gathered,
+                      shapes_context, state_bytes, to_state_device)
+from .cast import cast_params, write_into
+from .flat import flat_buffer
+from .grad_forms import Accumulated
+from .grads import GradFn, GradPath
+from .layout import Layout, make_layout
+from .params_form import ParamsForm
+from .plan import Kernels
 from .scaler import DynamicLossScale, LossScaleState, NoLossScale
 from .shard_view import ShardView, bind
 from .storage import master_storage
-from .update import cast_params, compiled_update, write_into
 
 __all__ = ["ZeroState", "Accumulated", "Engine", "cast_params"]
 
@@ -56,7 +53,7 @@ class Engine:
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
         self.storage = master_storage(master, self.param_dtype)  # how state.master holds the FP32 master
-        self.master = self.storage.name
+        self.master = self.storage.name  # zero1(master=...), as given
         if loss_scale == "auto":
             loss_scale = DynamicLossScale() if param_dtype == torch.float16 else None
         self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
@@ -67,23 +64,12 @@ class Engine:
         # per block), so that no block straddles two ranks: the transform stays rank-blind.
         self.reduce_dtype, self.alignment, self.stage = reduce_dtype, math.lcm(alignment, tx.block), stage
         self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
-        self.offload, self.donate, self.chunk_numel = offload, donate, chunk_numel
-        self.call_timeout = float(call_timeout)
-        given = [name for name, v in (("group", group), ("mesh", mesh), ("simulate", simulate)) if v is not None]
-        if len(given) > 1:
-            raise ValueError(f"zero1: give at most one of group=, mesh= and simulate= (got {' and '.join(given)})")
-        if simulate is not None:
-            group = SimulatedComm(*simulate)
-        if mesh is not None:
-            self.comm = comm_of_mesh(mesh)
-        else:
-            self.comm = group if isinstance(group, (Comm, SimulatedComm)) else Comm.of(group)
+        self.offload, self.donate, self.chunk_numel, self.call_timeout = offload, donate, chunk_numel, float(call_timeout)
+        self.comm = communicator(group=group, mesh=mesh, simulate=simulate)
         self._bound: Binding | None = None
         self._shard_tx = tx
         self._context: ShardView | None = None
-        self._compiled_update = compiled_update()  # the eager step's compiled update, if it is chosen
-        self._native_norm = False  # the eager norm may run fzero's own CPU kernel (``fzero.native``; set at init)
-        self._native_leaves = False  # the kernel runs the compiled update leaf by leaf (set at init)
+        self._kernels: Kernels | None = None  # what the steps may run (``fzero.plan``; fixed at the first init)
 
     @property
     def layout(self) -> Layout | None:
@@ -125,18 +111,12 @@ class Engine:
         layout = make_layout(params, comm.world_size, alignment=self.alignment, bucket_numel=self.bucket_numel)
         device = optree.tree_leaves(params)[0].device
         state_device = torch.device("cpu") if self.offload else device
-        with torch.no_grad():
-            shard = comm.first_rank_shard(params, layout, what="params")
-            first_params = cast_params(shard, self.param_dtype, copy=True)
-        # The transform's init may look at the params' shapes (masks), not at their values: the
-        # context, which the engine keeps, holds no copy of them.
-        context = ShardView.root(optree.tree_map(lambda x: torch.zeros((), dtype=x.dtype, device=device).expand(x.shape),
-                                                 params), layout, comm, device)
-        state = fresh_state(self.tx, context, to_state_device(shard, state_device))
-        state = self.stored(state, first_params)
+        shard, first_params = first_rank_shard(comm, params, layout, "params", self.param_dtype, state_device)
+        context = shapes_context(params, layout, comm, device)
+        state = self.stored(fresh_state(self.tx, context, shard), first_params)
         # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
         # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
-        settings = {"param_dtype": str(self.param_dtype), "master": self.master, "reduce_dtype": str(self.reduce_dtype),
+        settings = {"param_dtype": str(self.param_dtype), "master": self.storage.name, "reduce_dtype": str(self.reduce_dtype),
                     "loss_scale": repr(self.loss_scale), "stage": str(self.stage), "offload": repr(self.offload)}
         comm.check_same("engine configuration", {**layout.table(), **config_table(settings, layout, state.tx_state)})
         reduce_dtype = self.param_dtype if comm.data_parallel == 1 else self.reduce_dtype
@@ -146,24 +126,12 @@ class Engine:
             self._bound = bound
             self._context = context.prepare() if self.tx.needs_context else context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
-            # fzero's own CPU kernel (``fzero.native``) for the update where a step can run it: at
-            # world size 1, a transform with a fused form; built now (once per machine)
-            use_native = self.tx.fused is not None and comm.world_size == 1 and native.available(state_device)
-            self._compiled_update = self._compiled_update._replace(native=use_native)
-            # and for the eager norm of CPU grads (built at its first call, if not already)
-            self._native_norm = device.type == "cpu"
-            # (donated only: the pure step's update leaf by leaf runs inductor's loops, see fzero.leafwise)
-            self._native_leaves = self.donate and use_native and leafwise.native_runs(
-                self._shard_tx, state.tx_state, layout.shard_numel, self.param_dtype)
-            if self._leafwise(bound, device, native=self._native_leaves):
-                sized = tuple(len(shape) == 1 for _, shape, _ in bound.tx_leaves)
-                leaves = leafwise.LeafUpdate(self._shard_tx, bound.tx_spec, sized, self.param_dtype)
-                self._compiled_update = self._compiled_update._replace(leaves=leaves)
+            self._kernels = plan.kernels(self.tx, self._shard_tx, state.tx_state, self.storage, bound,
+                                         world_size=comm.world_size, donate=self.donate, chunk_numel=self.chunk_numel)
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "
                              "transform state) by an earlier init; build a new engine with fzero.zero1 for them")
-        with torch.no_grad():
-            new_params = unflatten(comm.all_gather(first_params, layout), layout)
+        new_params = gathered(comm, first_params, layout)
         lineage.mark(new_params, state.master)
         return new_params, state, self.loss_scale.init(device)
 
@@ -173,31 +141,28 @@ class Engine:
 
         ``values``: a pytree like the params, any floating dtype (FP32 keeps full precision).
         Returns ``(params, state)``: the master shard is rank 0's ``values``' shard in FP32,
-        exactly as ``init`` builds it, the params its cast,
-        all-gathered; the transform state (moments, counts, hyperparameters) is kept. Call on
-        every rank; the step's inputs are not modified. With ``donate=True`` the new state goes
-        on with the given one's transform state, which the next step writes: the given state is
-        consumed (``fzero.lineage``), as a step's is; a consumed one raises."""
+        exactly as ``init`` builds it, the params its cast, all-gathered; the transform state
+        (moments, counts, hyperparameters) is kept. Call on every rank; the step's inputs are not
+        modified. With ``donate=True`` the new state goes on with the given one's transform
+        state, which the next step writes: the given state is consumed (``fzero.lineage``), as a
+        step's is; a consumed one raises."""
         b = self._ready()
         lineage.refuse_consumed(state, "engine.load_params")
         layout, comm = b.grads.layout, self.comm
         checks.check_params(values)
         checks.check_like_layout(values, layout, what="values", device=b.grads.device)
         comm.arrive("engine.load_params", timeout=self.call_timeout)
-        with torch.no_grad():
-            shard = comm.first_rank_shard(values, layout, what="values")
-            params_shard = cast_params(shard, self.param_dtype, copy=True)
-            new_state = self.stored(ZeroState(to_state_device(shard, b.state_device), state.tx_state), params_shard)
-            new_params = unflatten(comm.all_gather(params_shard, layout), layout)
+        shard, params_shard = first_rank_shard(comm, values, layout, "values", self.param_dtype, b.state_device)
+        new_state = self.stored(ZeroState(shard, state.tx_state), params_shard)
+        new_params = gathered(comm, params_shard, layout)
         if self.donate:
             lineage.consume(state)
         lineage.mark(new_params, new_state.master)
         return new_params, new_state
 
     def state_like(self) -> tuple[ZeroState, LossScaleState]:
-        """A fresh ``(state, scaler_state)`` with the structure, dtypes and devices ``init``
-        built, with an FP32 master in either ``master`` mode (what a checkpoint holds): the
-        template that ``fzero.checkpoint.load`` fills. Needs ``init`` first."""
+        """A fresh ``(state, scaler_state)`` with the structure, dtypes and devices ``init`` built, an
+        FP32 master in any ``master`` mode (what a checkpoint holds): what ``fzero.checkpoint.load`` fills."""
         b = self._ready()
         layout, device = b.grads.layout, b.grads.device
         master = to_state_device(torch.zeros(layout.shard_numel, device=device), b.state_device)
@@ -210,21 +175,20 @@ class Engine:
         ``"params"`` that shard itself; the state itself otherwise. Raises (naming ``where``)
         if ``params`` were edited in place since the engine returned them, or, with a master
         read from the params, come from another step (``fzero.lineage``)."""
-        mode = self._begin(params)[1]
-        lineage.check(params, state.master, where=where, same_step=self.storage.reads_params)
-        return self._full(params, state, mode)
+        b, form = self._door(params, traced=plan.tracing())
+        lineage.check(form, state.master, where=where, same_step=self.storage.reads_params)
+        return self._full(form, state)
 
     def stored(self, state: ZeroState, params_shard: torch.Tensor) -> ZeroState:
-        """What the state keeps of ``state``, whose master is FP32 and whose params shard (that
-        master cast to ``param_dtype``) is ``params_shard``: ``fzero.storage``'s ``store`` (the
-        int16 remainder with ``master="remainder"``, an empty tensor with ``"params"``, the state
-        itself with ``"fp32"``)."""
+        """What the state keeps of ``state``, whose master is FP32 and whose params shard (that master
+        cast to ``param_dtype``) is ``params_shard``: ``fzero.storage``'s ``store`` (``master="remainder"``:
+        the int16 remainder; ``"params"``: an empty tensor; ``"fp32"``: the state itself)."""
         return state._replace(master=self.storage.store(state.master, params_shard))
 
-    def _full(self, params: Any, state: ZeroState, mode: StepMode) -> ZeroState:
-        """``state`` with the FP32 master its storage rebuilds (from this rank's params shard,
-        which only a storage that reads the params asks for)."""
-        shard = lambda: stages.params_shard(params, self.layout, self.comm.rank, mode)
+    def _full(self, params: ParamsForm, state: ZeroState) -> ZeroState:
+        """``state`` with the FP32 master its storage rebuilds (from this rank's shard of
+        ``params``, the door's form, which only a storage that reads the params asks for)."""
+        shard = lambda: params.shard(self.layout, self.comm.rank)  # noqa: E731
         return state._replace(master=self.storage.full(state.master, shard))
 
     # ------------------------------------------------------------------ step
@@ -245,27 +209,26 @@ class Engine:
         transform's ``hyperparams`` at this step (``lr``: the learning rate it applied, or would
         have; a non-finite one skips the update, the loss scale unchanged).
         """
-        b, mode = self._begin(params)
+        traced = plan.tracing()
+        b, form = self._door(params, traced=traced)
+        step_plan = plan.choose(self._kernels, form, b.grads.layout, compiled=traced)
         path = b.grads
         master_numel = self.storage.numel(path.layout.shard_numel)
         checks.check_state(state, scaler_state, ZeroState, master_numel, b.tx_leaves, b.tx_spec,
-                           master_dtype=self.storage.dtype, compiled=mode.compiled)
-        lineage.check(params, state.master, where="engine.step", same_step=self.storage.reads_params)
-        given, state = state, self._full(params, state, mode)  # the FP32 master (remainder: joined; params: theirs)
+                           master_dtype=self.storage.dtype, compiled=step_plan.compiled)
+        lineage.check(step_plan.params, state.master, where="engine.step", same_step=self.storage.reads_params)
+        given, state = state, self._full(step_plan.params, state)  # the FP32 master (remainder: joined; params: theirs)
 
-        reduced = stages.reduce(path, grads, mode)
-        checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self._shard_tx, state.tx_state, mode)
-        out = stages.cast_target(params, path.layout, mode)
-        master, tx_state, shard = stages.update(self._shard_tx, checked, state.master, state.tx_state,
-                                                param_dtype=self.param_dtype, mode=mode, out=out,
-                                                compiled=self._compiled_update)
-        new_params = stages.gather(path, shard, params, mode, cast_into_params=out is not None)
+        reduced = stages.reduce(path, grads, step_plan)
+        checked = stages.norm_and_overflow(path, reduced, scaler_state.scale, self._shard_tx, state.tx_state, step_plan)
+        master, tx_state, shard = stages.update(self._shard_tx, checked, state.master, state.tx_state, step_plan)
+        new_params = stages.gather(path, shard, step_plan)
         scale, scaler_state = scaler_state.scale, self.loss_scale.update(scaler_state, checked.found_inf)
 
         info = {"found_inf": checked.found_inf, "loss_scale": scale, "grad_norm": checked.norm.float(),
                 "scale_stuck": self.loss_scale.stuck(scaler_state), **checked.rates}
         new_state = self.stored(ZeroState(master, tx_state), shard)  # what the storage keeps of the FP32 master
-        if mode.donate:  # write into the inputs' buffers: no allocation of state
+        if step_plan.donate:  # write into the inputs' buffers: no allocation of state
             new_state = lineage.hand_over(write_into(given, new_state))
         lineage.mark(new_params, new_state.master)
         return new_params, new_state, scaler_state, info
@@ -307,65 +270,31 @@ class Engine:
         return flat_buffer(leaves, path.layout)
 
     # ------------------------------------------------------------------ helpers
-    def _ready(self) -> Binding:
-        """The binding ``init`` fixed, the communicator checked (eager)."""
-        return self._checked(compiling())
+    def _door(self, params: Any, *, traced: bool) -> tuple[Binding, ParamsForm]:
+        """The binding and the form of the ``params`` a call takes (``fzero.params_form``: checked
+        at the grads' door, their buffer looked up unless ``traced``)."""
+        b = self._ready(traced)  # raises before init
+        return b, ParamsForm.of(params, b.grads.check(params, "params"), b.grads.layout, traced=traced)
 
-    def _begin(self, params: Any) -> tuple[Binding, StepMode]:
-        """The binding and the ``StepMode`` of a call that takes ``params`` (checked)."""
-        b = self._bound or self._checked(False)  # raises before init
-        flat_in = b.grads.check(params, "params") is None
-        mode = StepMode.choose(has_fused=self.tx.fused is not None, donate=self.donate, chunk_numel=self.chunk_numel,
-                               param_dtype=self.param_dtype, world_size=self.comm.world_size,
-                               state_device=b.state_device, flat_in=flat_in,
-                               leafwise=self._compiled_update.leaves is not None,
-                               native=self._compiled_update.native, native_leaves=self._native_leaves,
-                               native_norm=self._native_norm,
-                               master_in_params=self.master == "params" and b.state_device == b.grads.device)
-        return self._checked(mode.compiled), mode
-
-    def _leafwise(self, b: Binding, device: torch.device, *, native: bool) -> bool:
-        """Whether a compiled step from a params pytree may run its update leaf by leaf
-        (``fzero.leafwise``): on a CPU, for a model and leaves large enough
-        (``leafwise.worthwhile``; ``native``: fzero's own CPU kernel would run it, where the
-        leaves' count costs nothing and the model's size alone decides), at world size 1, the
-        state where the params are, an FP32 master beside FP16 or BF16 params (with the kernel
-        also FP32 params, beside their master or, ``master="params"``, as it), a transform
-        elementwise on any slice (no blocks, no context) whose state is ``[S]`` and 0-d tensors.
-
-        What it saves is a CPU's cost (the grads' concatenation, a copy inductor's CPU code never
-        fuses, and new shard-sized buffers, fresh pages from the OS every step); what it costs is
-        host time per leaf, which small leaves or a small model do not repay (the measurements
-        behind ``leafwise.MIN_MEAN_NUMEL``, ``MIN_NUMEL`` and ``NATIVE_MIN_NUMEL``), nor a GPU's
-        kernels hide at a model's size (GPT-2 small's whole update is about 1 ms of an H200's
-        bandwidth; docs/performance.md)."""
-        layout = b.grads.layout
-        S = layout.shard_numel
-        return (device.type == "cpu" and leafwise.worthwhile(layout.numel, len(layout.shapes), native=native)
-                and self.comm.world_size == 1 and b.state_device == device
-                and self.master != "remainder" and (native or self.master == "fp32" and self.param_dtype != torch.float32)
-                and self.tx.block == 1
-                and not self.tx.needs_context and all(shape in ((S,), ()) for _, shape, _ in b.tx_leaves))
-
-    def _checked(self, compiled: bool) -> Binding:
+    def _ready(self, compiled: bool | None = None) -> Binding:
+        """The binding ``init`` fixed (raises before), the communicator checked unless ``compiled`` (traced)."""
         if self._bound is None:
             raise RuntimeError("engine.step called before engine.init")
-        # Eager only: traced, the check would put the ProcessGroup object into the graph (as a
-        # script object), which then keeps the group's backend threads alive after
-        # destroy_process_group. A compiled step's collectives name their group instead.
-        if not compiled:
+        # Eager only: traced, the check would put the ProcessGroup object into the graph (a script
+        # object, which keeps the group's backend threads alive after destroy_process_group). A
+        # compiled step's collectives name their group instead.
+        if not (plan.tracing() if compiled is None else compiled):
             self.comm.check_unchanged()
         return self._bound
 
     def time_collectives(self) -> dict[str, list[float]]:
-        """Per-bucket milliseconds of the step's reduce-scatter (in the reduce dtype) and
-        all-gather (param dtype), each measured alone, max over ranks; empty lists at world
-        size 1. A collective call (every rank must make it) that syncs the host: for a metrics
-        log every few steps, not for the hot loop."""
+        """Per-bucket milliseconds of the step's reduce-scatter (in the reduce dtype) and all-gather
+        (param dtype), each measured alone, max over ranks; empty lists at world size 1. A collective
+        call (every rank must make it) that syncs the host: for a metrics log, not the hot loop."""
         path = self._ready().grads
         self.comm.arrive("engine.time_collectives", timeout=self.call_timeout)
         return self.comm.time_buckets(path.layout, path.reduce_dtype, self.param_dtype, path.device)
 
     def state_bytes(self, state: ZeroState) -> int:
         """Bytes of tensor storage this rank holds for optimizer state (master + transform)."""
-        return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state) if isinstance(t, torch.Tensor))
+        return state_bytes(state)

@@ -1,52 +1,31 @@
-"""Flat layout: a pytree of tensors <-> one contiguous, padded, rank-sharded buffer.
-
-Leaf order is optree's: ``optree.tree_flatten`` order, in which dict keys are *sorted*
-(not insertion order), lists/tuples/NamedTuples go field by field, and ``None`` is an empty
-subtree. Leaf ``i`` occupies ``flat[offsets[i] : offsets[i] + numel_i]``.
-
-One bucket (the default) holds every leaf in that order. With ``bucket_numel`` the leaves are
-packed into buckets in *reverse* leaf order -- for a params pytree listed in forward order, the
-order backward produces their grads, so the first bucket's grads are complete first -- each
-bucket closed once it holds ``bucket_numel`` elements (a leaf is never split across buckets).
-
-Each bucket is zero-padded to ``N * S_b`` elements, ``S_b`` a multiple of ``alignment``, so it
-splits into ``N`` equal contiguous shards; rank ``r`` owns ``bucket[r*S_b : (r+1)*S_b]`` of
-every bucket (as Megatron's DistributedOptimizer does), and its *shard* is the concatenation of
-those slices (``S = sum_b S_b`` elements). A parameter may straddle two ranks. With one bucket
-the padding is ``< N * alignment`` elements and rank ``r`` owns ``flat[r*S : (r+1)*S]``.
+"""A pytree <-> its flat buffer (``fzero.layout``): copies in (``flatten``), views out
+(``unflatten``, ``leaf_views``), and a rank's shard of either.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 import optree
 import torch
 
-from fzero.transforms.base import leaf_paths
-
-from .mode import compiling
+from .layout import Layout
+from .memory import shared_memory, viewed_buffer
+from .tracing import compiling
 
 __all__ = [
-    "Layout",
-    "make_layout",
     "flatten",
     "flatten_buckets",
     "split_buckets",
     "unflatten",
     "shard_of",
     "tree_shard",
-    "leaf_paths",
     "leaf_views",
     "tree_leaves",
     "concat",
     "per_leaf_shard",
     "flat_buffer",
-    "check_in_buffer",
 ]
-
-DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
 
 
 def concat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -54,154 +33,10 @@ def concat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """Leaves ``leaves`` (indices in tree order), laid out in that order at
-    ``flat[start : start + world_size*shard]``."""
-
-    leaves: tuple[int, ...]
-    start: int
-    numel: int  # unpadded
-    shard: int  # elements per rank
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Static description of the flat buffer; no tensors, hashable, identical on every rank."""
-
-    treespec: optree.PyTreeSpec
-    paths: tuple[str, ...]
-    shapes: tuple[torch.Size, ...]
-    offsets: tuple[int, ...]
-    buckets: tuple[Bucket, ...]
-    world_size: int
-    alignment: int
-
-    @property
-    def numel(self) -> int:
-        """P: parameter elements, padding excluded."""
-        return sum(math.prod(s) for s in self.shapes)
-
-    @property
-    def padded_numel(self) -> int:
-        """Elements of the flat buffer, padding included (= world_size * shard_numel)."""
-        return self.world_size * self.shard_numel
-
-    @property
-    def shard_numel(self) -> int:
-        """S: elements each rank owns."""
-        return sum(b.shard for b in self.buckets)
-
-    @property
-    def split_sizes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(sizes, where)``: the flat buffer cut, in buffer order, into the leaves and each
-        bucket's padding (``sizes``, summing to ``padded_numel``); leaf ``i`` is piece
-        ``where[i]``. A bucket holds its leaves back to back in the order it lists them."""
-        sizes, where = [], [0] * len(self.shapes)
-        for b in self.buckets:
-            for i in b.leaves:
-                where[i] = len(sizes)
-                sizes.append(math.prod(self.shapes[i]))
-            if self.world_size * b.shard > b.numel:
-                sizes.append(self.world_size * b.shard - b.numel)
-        return tuple(sizes), tuple(where)
-
-    def shard_ranges(self, rank: int) -> list[tuple[int, int]]:
-        """``[(start, stop), ...]`` flat ranges rank owns, one per bucket, in shard order."""
-        return [(b.start + rank * b.shard, b.start + (rank + 1) * b.shard) for b in self.buckets]
-
-    @property
-    def global_offsets(self) -> tuple[int, ...]:
-        """Where each leaf starts in the *global* ``[P]`` vector: the leaves concatenated in
-        tree order, without padding (coordinates that do not depend on the world size, the
-        alignment or the bucketing)."""
-        out, g = [], 0
-        for shape in self.shapes:
-            out.append(g)
-            g += math.prod(shape)
-        return tuple(out)
-
-    def owned(self, rank: int) -> list[tuple[int, int, int]]:
-        """The real elements rank ``rank`` owns, in global coordinates: ``[(g0, g1, pos), ...]``,
-        sorted by ``g0``, adjacent ranges merged, each saying that ``global[g0:g1]`` is
-        ``shard[pos : pos + g1 - g0]`` of the rank's ``[S]`` shard. Padding is in no range;
-        the ranges of ranks ``0 .. world_size-1`` tile ``[0, P)``. Any bucketing, any alignment."""
-        starts = self.global_offsets
-        pieces = []
-        pos = 0  # where this bucket's slice starts in the rank's shard
-        for bucket, (lo, hi) in zip(self.buckets, self.shard_ranges(rank)):
-            for i in bucket.leaves:
-                a = self.offsets[i]
-                s, e = max(a, lo), min(a + math.prod(self.shapes[i]), hi)
-                if s < e:
-                    pieces.append((starts[i] + s - a, starts[i] + e - a, pos + s - lo))
-            pos += hi - lo
-        pieces.sort()
-        merged: list[tuple[int, int, int]] = []
-        for g0, g1, p in pieces:
-            if merged and merged[-1][1] == g0 and merged[-1][2] + g0 - merged[-1][0] == p:
-                merged[-1] = (merged[-1][0], g1, merged[-1][2])
-            else:
-                merged.append((g0, g1, p))
-        return merged
-
-    def table(self) -> dict[str, str]:
-        """Everything about the layout that must agree across ranks, as printable entries
-        (leaf by leaf first, so a disagreement names the first differing leaf)."""
-        out = {f"leaf {i}": f"{p!r} with shape {tuple(s)}" for i, (p, s) in enumerate(zip(self.paths, self.shapes))}
-        out["number of leaves"] = str(len(self.paths))
-        out["alignment"] = str(self.alignment)
-        out["buckets"] = repr([b.leaves for b in self.buckets])
-        out["world size"] = str(self.world_size)
-        return out
-
-
-def make_layout(
-    tree: Any,
-    world_size: int,
-    *,
-    alignment: int = DEFAULT_ALIGNMENT,
-    bucket_numel: int | None = None,
-) -> Layout:
-    """Lay out the leaves of ``tree`` (tensors or anything with ``.shape``) for ``world_size`` ranks.
-
-    ``bucket_numel``: buckets of at least this many elements (but the last), filled in reverse
-    leaf order; ``None`` = one bucket in leaf order.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    paths, leaves, spec = leaf_paths(tree)
-    shapes = tuple(torch.Size(leaf.shape) for leaf in leaves)
-    numels = [math.prod(s) for s in shapes]
-    groups: list[list[int]] = [[]]
-    filled = 0
-    order = range(len(leaves)) if bucket_numel is None else reversed(range(len(leaves)))
-    for i in order:
-        n = numels[i]
-        if bucket_numel is not None and groups[-1] and filled >= bucket_numel:
-            groups.append([])
-            filled = 0
-        groups[-1].append(i)
-        filled += n
-    offsets = [0] * len(leaves)
-    buckets = []
-    start = 0
-    for group in groups:
-        pos = start
-        for i in group:
-            offsets[i] = pos
-            pos += numels[i]
-        numel = pos - start
-        shard = max(1, math.ceil(numel / (world_size * alignment))) * alignment
-        buckets.append(Bucket(tuple(group), start, numel, shard))
-        start += world_size * shard
-    return Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
-
-
 def tree_leaves(tree: Any) -> list:
     """``optree.tree_leaves(tree)``, where a list of tensors is its own leaves (the stages pass
-    leaves they walked once already): traced, optree's walk of such a list is some 200 bytecode
-    instructions per leaf that dynamo interprets."""
+    leaves they walked once already): traced, dynamo interprets optree's walk of such a list
+    bytecode by bytecode, for every leaf (benchmarks/results/history/compile_time.md)."""
     if isinstance(tree, list) and all(isinstance(x, torch.Tensor) for x in tree):
         return tree
     return optree.tree_leaves(tree)
@@ -260,8 +95,9 @@ def split_buckets(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 def _cat_into(parts: list[torch.Tensor], out: torch.Tensor) -> None:
     """``torch.cat(parts, out=out)`` as an op that ``torch.compile`` keeps whole. Traced as
     copies into slices of ``out``, inductor fuses them into one loop over ``out`` that tests
-    every element against every piece's range (a GPT's backward took 1.6x as long); traced as
-    ``out.copy_(torch.cat(parts))``, it writes a new buffer of the whole size and copies it."""
+    every element against every piece's range (a GPT's backward took markedly longer:
+    benchmarks/results/history/e2e.md); traced as ``out.copy_(torch.cat(parts))``, it writes a
+    new buffer of the whole size and copies it."""
     torch.cat(parts, out=out)
 
 
@@ -295,22 +131,6 @@ def leaf_views(flat: torch.Tensor, layout: Layout, grads_into: torch.Tensor | No
     sizes, where = layout.split_sizes
     parts = torch.split(flat, sizes) if grads_into is None else _SplitGradsInto.apply(flat, grads_into, sizes)
     return [parts[k].view(s) for k, s in zip(where, layout.shapes)]
-
-
-def check_in_buffer(buffer: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> None:
-    """Raise ``ValueError`` unless ``buffer`` lies within its storage and each of ``leaves`` is a
-    contiguous view of that storage starting ``offsets[i]`` elements into ``buffer`` (eager:
-    reads storages and data pointers, which a traced step cannot)."""
-    storage, size = buffer.untyped_storage(), buffer.element_size()
-    if buffer.data_ptr() + buffer.numel() * size > storage.data_ptr() + storage.nbytes():
-        raise ValueError(f"params are not views of one flat buffer of {buffer.numel()} elements starting where its "
-                         "memory starts: pass the params init/step returned (compiled with donate=True, the step "
-                         "casts into their buffer)")
-    for i, (x, o) in enumerate(zip(leaves, offsets)):
-        if (not x.is_contiguous() or x.untyped_storage().data_ptr() != storage.data_ptr()
-                or x.data_ptr() != buffer.data_ptr() + o * size):
-            raise ValueError(f"params leaf {i} is not at its offset {o} in the params' flat buffer: pass the params "
-                             "init/step returned (compiled with donate=True, the step casts into their buffer)")
 
 
 def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_into: torch.Tensor | None = None) -> Any:
@@ -347,8 +167,6 @@ def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:
                          f"params: {flat.dtype} of shape {tuple(flat.shape)} on {flat.device}, not requiring grad")
     if compiling():  # data pointers exist on real tensors only, not on the fakes dynamo traces with
         return
-    from .checks import shared_memory  # fzero.checks imports this module
-
     if torch._C._functorch.is_functorch_wrapped_tensor(flat):
         raise ValueError("unflatten: grads_into is where loss.backward() writes the grads; under a torch.func "
                          "transform (grad, vjp) leave it out and differentiate the flat params themselves")
@@ -409,15 +227,7 @@ def per_leaf_shard(values: Any, layout: Layout, rank: int, *, dtype: torch.dtype
 def flat_buffer(leaves: list[torch.Tensor], layout: Layout) -> torch.Tensor:
     """The ``[padded_numel]`` buffer that ``leaves`` (the params' leaves, checked against the
     layout) are views of, at their layout offsets; ``ValueError`` if they are not."""
-    storage = leaves[0].untyped_storage()
-    start = leaves[0].storage_offset() - layout.offsets[0]
-    if start < 0 or storage.nbytes() < (start + layout.padded_numel) * leaves[0].element_size() or any(
-        x.untyped_storage().data_ptr() != storage.data_ptr() or x.storage_offset() != start + o
-        for x, o in zip(leaves, layout.offsets)
-    ):
+    buffer = viewed_buffer(leaves, layout.offsets, layout.padded_numel)
+    if buffer is None:
         raise ValueError("params are not views of one flat buffer of this engine's layout (pass what init/step returned)")
-    base = leaves[0]._base
-    if base is not None and base.shape == (layout.padded_numel,) and base.storage_offset() == start:
-        return base
-    # e.g. a compiled step's output: the leaves share the buffer but carry no view link
-    return leaves[0].new_empty(0).set_(storage, start, (layout.padded_numel,))
+    return buffer

@@ -51,13 +51,14 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fzero.transforms.base import register_holder
+from fzero.transforms.hyperparams import register_holder
 
 from .binding import ZeroState
 from .flat import leaf_views
-from .mode import compiling
+from .params_form import ParamsForm
+from .plan import tracing
 from .shard_view import leaf_runs
-from .update import cast_params
+from .cast import cast_params
 
 __all__ = ["Mark", "ParamsEditedError", "buffer_of", "mark", "params_of", "check", "refuse_consumed", "consume",
            "hand_over", "checked_fp32_master"]
@@ -95,7 +96,7 @@ def buffer_of(params: Any) -> torch.Tensor | None:
 
 def mark(params: Any, master: torch.Tensor) -> None:
     """Record that ``params`` were written together with the state whose master is ``master``."""
-    if compiling():  # before the leaves: traced, each optree call is thousands of instructions
+    if tracing():  # before the leaves: traced, each optree call is thousands of instructions
         return
     buf = buffer_of(params)
     if buf is None:
@@ -119,13 +120,14 @@ def params_of(master: torch.Tensor) -> torch.Tensor | None:
     return buf if m is not None and m.ticket == getattr(master, _TICKET, None) else None
 
 
-def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> None:
-    """Raise if ``params`` were edited in place since they were marked with ``master``'s state,
-    or, with ``same_step``, if they were marked with another state (see the module doc)."""
-    if compiling():
+def check(params: ParamsForm, master: torch.Tensor, *, where: str, same_step: bool) -> None:
+    """Raise if the params (the door's form, ``fzero.params_form``) were edited in place since
+    they were marked with ``master``'s state, or, with ``same_step``, if they were marked with
+    another state (see the module doc)."""
+    if tracing():
         return
     refuse_consumed(master, where)
-    buf = buffer_of(params)
+    buf = params.buffer
     if buf is None:
         return
     m: Mark | None = getattr(buf, _ATTR, None)
@@ -152,7 +154,7 @@ def check(params: Any, master: torch.Tensor, *, where: str, same_step: bool) -> 
 def refuse_consumed(tree: Any, where: str) -> None:
     """Raise (naming ``where``) if ``tree`` -- a ``ZeroState``, its master, or any pytree holding
     one -- holds a state that a donating step consumed: its memory holds that step's results."""
-    if compiling():
+    if tracing():
         return
     leaves = (tree,) if isinstance(tree, torch.Tensor) else optree.tree_leaves(tree)
     if any(getattr(x, _CONSUMED, False) for x in leaves):
@@ -165,14 +167,14 @@ def refuse_consumed(tree: Any, where: str) -> None:
 
 def consume(state: ZeroState) -> None:
     """Mark ``state`` consumed: its memory goes on in another state (a donating step's)."""
-    if not compiling():
+    if not tracing():
         setattr(state.master, _CONSUMED, True)
 
 
 def hand_over(state):
     """A donated ``state`` (a NamedTuple with a ``master``), now holding the step's results, as
     the step's output: the same memory, a new master object; the given one is marked consumed."""
-    if compiling():
+    if tracing():
         return state
     consume(state)
     return state._replace(master=state.master.view_as(state.master))

@@ -82,7 +82,7 @@ def zero1(
         ``time_collectives``, the ``fzero.checkpoint`` functions) waits for every rank to reach
         it; then every waiting rank raises naming the ranks that did not (default 60). A rank in
         another fzero call, or one that failed inside ``try: ... finally: fzero.shutdown()``,
-        makes them raise at once (``fzero.arrival``).
+        makes them raise at once (``fzero.comm.arrival``).
     """
     options = dict(locals())
     return Engine(options.pop("tx"), **options)

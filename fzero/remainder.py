@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .mode import compiling
+from .tracing import compiling
 
 __all__ = ["round_bf16", "split", "join", "MAX_JOINED"]
 
@@ -34,7 +34,7 @@ MAX_JOINED = torch.tensor(0x7F7F7FFF, dtype=torch.int32).view(torch.float32).ite
 
 # No shifts here: inductor's CPU code generator has no vector form of ``>>``/``<<`` (nor of
 # int16 values), and one such op turns the whole fused AdamW kernel it is part of into a scalar
-# loop (a scalar kernel measured 6x slower). Nor has it one of reading FP32 bits as int32: each
+# loop, several times slower (docs/numerics.md). Nor has it one of reading FP32 bits as int32: each
 # lane goes through memory. So ``round_bf16``, the cast of every BF16 step, is FP32 arithmetic
 # when compiled for a CPU. ``split``/``join`` read and write the int16 remainder, so on a CPU
 # their kernel stays scalar (docs/numerics.md has the numbers).

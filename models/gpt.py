@@ -2,7 +2,7 @@
 
 Params pytree (D = n_embd, V = vocab_size, T = block_size; the blocks' weights stored
 [out, in] as ``nn.Linear`` stores them, and applied with ``F.linear``: on a CPU the forward
-and backward run 1-4% faster than ``x @ w + b`` of [in, out] weights, docs/performance.md)::
+and backward run faster than ``x @ w + b`` of [in, out] weights, docs/performance.md)::
 
     {"wte": [V, D], "wpe": [T, D],
      "blocks": [{"ln1": {"g": [D], "b": [D]},

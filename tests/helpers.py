@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
+import unittest.mock
 from pathlib import Path
 
 import optree
@@ -19,6 +22,9 @@ import torch.utils._python_dispatch
 
 import fzero
 import fzero.comm
+import fzero.params_form
+import fzero.plan
+import fzero.update
 from fzero import transforms
 from fzero import checkpoint as ck
 from fzero.checkpoint import commit, lock
@@ -40,6 +46,27 @@ def run_script(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     test of the e2e tier (tests/conftest.py)."""
     require_tier("e2e", "runs a script")
     return subprocess.run(cmd, **kwargs)
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The directory ``name``, made by ``make(directory)`` once per test session and shared by
+    every pytest-xdist worker (a session- or module-scoped fixture alone is made once per worker
+    that runs a test using it): the first caller makes it while it holds an exclusive ``flock``,
+    the others wait on that lock -- as long as ``make`` runs, which bounds its own subprocesses'
+    time; the kernel drops the lock however the maker ends -- and reuse it. After a ``make`` that
+    raised, the next caller makes it afresh. Callers only read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above the worker's own
+    path, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # dropped when the file closes
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            make(path)
+            done.touch()
+    return path
 
 
 def counting_comm(calls: list) -> fzero.comm.Comm:
@@ -377,7 +404,7 @@ def ckpt_paths_shapes():
 
 def global_view(engine, state, ss):
     """Every state leaf as the global [P] vector (real elements, tree order) or 0-d value."""
-    names, leaves, _ = fzero.flat.leaf_paths(state)
+    names, leaves, _ = transforms.tree.leaf_paths(state)
     out = {}
     for name, leaf in zip(names, leaves):
         if leaf.ndim == 0:
@@ -480,3 +507,49 @@ def mixed_parts(engine, state, ss, extra):
         "loss scale": float(ss.scale) == tag + 1,
     }
     return [name for name, ok in checks.items() if not ok]
+
+
+# ---------------------------------------------------------------- step plans (fzero.plan)
+PLAN_SHAPES = {"w": (40, 8), "b": (8,)}  # 328 elements, 384 laid out
+
+
+def step_plan(*, world_size=1, flat_in=True, donate=False, compiled=False, gpu=False, fused=True, native=False,
+              native_leaves=False, leaves=False, needs_context=False, low_precision=False, master="fp32",
+              chunk=256, numel=None, param_dtype=torch.float16, views=True):
+    """The plan ``choose`` gives an engine of this configuration on params laid out from
+    ``PLAN_SHAPES`` (``flat_in``: the flat buffer; else a pytree of views of it, or with ``views=False``
+    of separate tensors); ``gpu``: state and grads on a GPU (a device that is only named)."""
+    tree = {k: torch.zeros(s, dtype=param_dtype) for k, s in PLAN_SHAPES.items()}
+    layout = fzero.make_layout(tree, world_size)
+    buffer = torch.zeros(layout.padded_numel, dtype=param_dtype)
+    params = buffer if flat_in else fzero.unflatten(buffer, layout) if views else tree
+    device = torch.device("cuda" if gpu else "cpu")
+    k = fzero.plan.Kernels(param_dtype=param_dtype, donate=donate, world_size=world_size,
+                numel=layout.shard_numel if numel is None else numel, state_device=device,
+                chunk=None if gpu else chunk, fused=fused, needs_context=needs_context, low_precision=low_precision,
+                master_in_params=master == "params", reads_params=master != "fp32",
+                compiled=fzero.update.CompiledUpdate("whole", "into"), native=native, native_leaves=native_leaves,
+                native_norm=not gpu, leaves="leaf update" if leaves else None)
+    leaves = None if flat_in else optree.tree_leaves(params)  # as the grads' door returns them
+    form = fzero.params_form.ParamsForm.of(params, leaves, layout, traced=compiled)
+    return fzero.plan.choose(k, form, layout, compiled=compiled), params
+
+
+def update_path(plan) -> str:
+    """The update's variant and the fallbacks it carries, as ``Native > FusedChunks(256) > Chunks(256)``."""
+    names, v = [], plan.update
+    while v is not None:
+        chunk = getattr(v, "chunk", None)
+        names.append(type(v).__name__ + ("(traced)" if getattr(v, "traced", False) else "")
+                     + (f"({chunk})" if chunk is not None else ""))
+        v = getattr(v, "fallback", None)
+    return " > ".join(names)
+
+
+def plan_summary(plan) -> tuple:
+    """``(update path, cast, gather, norm, grads as Segments)`` of a ``StepPlan``, by name."""
+    gather = type(plan.gather).__name__
+    if gather == "GatherNew":
+        gather += "(write)" if plan.gather.write else "(new)"
+    norm = type(plan.norm).__name__ + ("(traced)" if plan.norm.compiled else "")
+    return update_path(plan), type(plan.cast).__name__, gather, norm, plan.segments

@@ -1,4 +1,4 @@
-"""fzero.arrival: a collective fzero call made on some ranks only, or a rank that fails while
+"""fzero.comm.arrival: a collective fzero call made on some ranks only, or a rank that fails while
 the others wait, ends every rank in seconds with the cause named, never the group's timeout.
 
 The harness's gloo group times out after 60 s: each test below would take at least that long

@@ -3,8 +3,8 @@ it builds must run the path it is named for, and its third engine the one the en
 import pytest
 import torch
 
-import fzero.leafwise
-from fzero import native
+import fzero.cpu.leafwise
+from fzero.cpu import native
 from helpers import odd_params
 from common import leaf_by_leaf
 from leafwise import PATHS, engine_on
@@ -16,5 +16,5 @@ def test_each_engine_runs_the_path_it_is_named_for(dtype, monkeypatch):
     for path, told in PATHS.items():
         assert leaf_by_leaf(engine_on(path, dtype, p0)[0]) == told
     assert not leaf_by_leaf(engine_on(None, dtype, p0)[0])
-    monkeypatch.setattr(fzero.leafwise, "NATIVE_MIN_NUMEL", 55)
+    monkeypatch.setattr(fzero.cpu.leafwise, "NATIVE_MIN_NUMEL", 55)
     assert leaf_by_leaf(engine_on(None, dtype, p0)[0]) == native.available(torch.device("cpu"))

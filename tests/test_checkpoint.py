@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import fzero
 from fzero import transforms
+from fzero.transforms.tree import leaf_paths
 from distributed import run_ranks
 from fzero import checkpoint as ck
 from fzero.checkpoint import lock
@@ -255,7 +256,7 @@ def test_export_full_round_trip_one_process(saved, tmp_path):
     ck.export_full(str(tmp_path / "m.safetensors"), state, engine)
     got_p = load_file(str(tmp_path / "p.safetensors"))
     got_m = load_file(str(tmp_path / "m.safetensors"))
-    paths, leaves, _ = fzero.flat.leaf_paths(params)
+    paths, leaves, _ = leaf_paths(params)
     masters = optree.tree_leaves(fzero.unflatten(state.master, engine.layout))
     for p, leaf, m in zip(paths, leaves, masters):
         assert got_p[p].dtype == torch.float16 and torch.equal(got_p[p], leaf)

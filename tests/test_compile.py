@@ -49,7 +49,7 @@ def test_compiled_step_equals_eager_and_never_recompiles(param_dtype):
     with torch._dynamo.config.patch(error_on_recompile=True):
         c_params, c_state, c_ss, c_infos = run(torch.compile(engine.step, fullgraph=True), engine, p0, seq, lr_at=3)
     # one graph served every step: the loss scale changed (backoff, growth) and so did lr
-    assert engine._compiled_update.leaves is None and counters["stats"]["unique_graphs"] == 1
+    assert engine._kernels.leaves is None and counters["stats"]["unique_graphs"] == 1
     assert [bool(i["found_inf"]) for i in c_infos] == [bool(i["found_inf"]) for i in e_infos] == [False, False, True, False, True]
     assert len({float(i["loss_scale"]) for i in c_infos}) > 1 or scaling is None
     for a, b in zip(optree.tree_leaves((c_state, c_ss)), optree.tree_leaves((e_state, e_ss))):

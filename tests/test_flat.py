@@ -4,7 +4,8 @@ import optree
 import pytest
 import torch
 
-from fzero.flat import flatten, make_layout, shard_of, tree_shard, unflatten
+from fzero.flat import flatten, shard_of, tree_shard, unflatten
+from fzero.layout import make_layout
 
 
 def odd_tree(dtype=torch.float32):

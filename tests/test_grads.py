@@ -1,5 +1,6 @@
-"""The gradient forms of ``fzero.grads``: ``Segments`` read chunk by chunk, and their norms;
-micro-batches summed as DDP sums them (``loss / ACCUM`` steps like one batch and like torch)."""
+"""The gradient forms (``fzero.grad_forms``) and path (``fzero.grads``): ``Segments`` read chunk by
+chunk, and their norms; micro-batches summed as DDP sums them (``loss / ACCUM`` steps like one
+batch and like torch)."""
 import math
 
 import optree
@@ -9,8 +10,9 @@ import torch
 import fzero
 from fzero import transforms
 from fzero.flat import flatten
+from fzero.grad_forms import Segments
 from fzero.models import mlp
-from fzero.update import sum_of_squares
+from fzero.norm import sum_of_squares
 
 from helpers import odd_params
 
@@ -35,8 +37,8 @@ def test_segments_read_like_the_laid_out_grads(dtype, bucket_bytes):
             assert chunk.dtype == torch.float32 and torch.equal(chunk, flat[lo:hi])
     # a reduced shard, owned and FP32, is read in place; one that is not owned, copied
     shard = flat.clone()
-    assert fzero.grads.Segments.of(shard, True).fp32(4, 9, shard.device).data_ptr() == shard[4:].data_ptr()
-    assert fzero.grads.Segments.of(shard, False).fp32(4, 9, shard.device).data_ptr() != shard[4:].data_ptr()
+    assert Segments.of(shard, True).fp32(4, 9, shard.device).data_ptr() == shard[4:].data_ptr()
+    assert Segments.of(shard, False).fp32(4, 9, shard.device).data_ptr() != shard[4:].data_ptr()
 
 
 def test_pieces_cut_at_block_multiples_whatever_the_parts():
@@ -56,13 +58,13 @@ def test_sum_of_squares_of_the_largest_fp16_sums_is_finite_and_exact_enough(boun
     # FP16 grads summed over 2**20 ranks x micro-batches: FP32 accumulation must not overflow
     g = torch.full((3 * 2**18 + 64,), 65504.0 * 2**20)
     g[::7] *= -0.5
-    got = sum_of_squares(fzero.grads.Segments.of(g, False), bounded=bounded)
+    got = sum_of_squares(Segments.of(g, False), bounded=bounded)
     want = g.double().square().sum()
     assert got.dtype == torch.float64 and math.isfinite(got)
     torch.testing.assert_close(got, want, rtol=1e-6 if bounded else 1e-14, atol=0)
     for bad in (float("inf"), float("nan")):
         g[5] = bad
-        assert not math.isfinite(sum_of_squares(fzero.grads.Segments.of(g, False), bounded=bounded))
+        assert not math.isfinite(sum_of_squares(Segments.of(g, False), bounded=bounded))
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -72,7 +74,7 @@ def test_sum_of_squares_of_bf16_and_fp32_grads_spans_their_whole_range(compiled,
     # row is scaled by the inverse of its mean magnitude before its FP32 sum (compiled), and a
     # row of tiny values by 2^100, so neither end is lost; 3.38e38 is in the top octave, 1e-40
     # subnormal, 2^-100 in a row of zeros has a mean below 2^-100
-    f = (lambda g: sum_of_squares(fzero.grads.Segments.of(g, False), bounded=False, compiled=compiled))
+    f = (lambda g: sum_of_squares(Segments.of(g, False), bounded=False, compiled=compiled))
     f = torch.compile(f) if compiled else f
     # every input 905 elements (3 full rows and a tail): one compiled graph
     for vals in ([3.38e38, -3.38e38, 1.0], [1e-40, -2e-40], [1e-30, 5.0, -3.0], [0.0], [1.5e38, 2.0],

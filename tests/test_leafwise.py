@@ -1,4 +1,4 @@
-"""The compiled step from a grads pytree, leaf by leaf (``fzero.leafwise``): the same results as
+"""The compiled step from a grads pytree, leaf by leaf (``fzero.cpu.leafwise``): the same results as
 the compiled step on the flat buffer, in place, one graph for the update, no flat copy of grads."""
 import optree
 import pytest
@@ -7,7 +7,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import fzero
-import fzero.leafwise
+import fzero.cpu.leafwise
 from fzero import transforms
 from helpers import compiled_buffers, grads_like, grads_seq, odd_params
 
@@ -15,9 +15,9 @@ from helpers import compiled_buffers, grads_like, grads_seq, odd_params
 @pytest.fixture(autouse=True)
 def leaf_by_leaf_at_any_size(monkeypatch):
     """The test params are small: every engine here runs its update leaf by leaf, unless a test
-    says otherwise (``fzero.leafwise.worthwhile``)."""
-    monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", 0)
-    monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", 0)
+    says otherwise (``fzero.cpu.leafwise.worthwhile``)."""
+    monkeypatch.setattr(fzero.cpu.leafwise, "MIN_MEAN_NUMEL", 0)
+    monkeypatch.setattr(fzero.cpu.leafwise, "MIN_NUMEL", 0)
 
 
 def adamw():
@@ -51,7 +51,7 @@ def train(p0, seq, param_dtype, *, flat, lr_at=None, **kw):
         assert given is None or all(torch.equal(a, b) for a, b in zip(given, before))
         infos.append(info)
     if not flat:  # it ran leaf by leaf, and the params are views of one flat buffer again
-        assert engine._compiled_update.leaves._compiled
+        assert engine._kernels.leaves._compiled
         assert torch.equal(engine.flat_params(carry), fzero.flatten(carry, engine.layout))
     return (fzero.unflatten(carry, engine.layout) if flat else carry), state, infos
 
@@ -66,7 +66,7 @@ def test_leaf_by_leaf_equals_the_flat_step_bitwise(param_dtype, donate, monkeypa
     an inf skips the step in both, so does a NaN (the clipping norm NaN); lr and the loss scale
     change without a recompile. In groups of 2 leaves, several groups share a graph (dynamic
     sizes) and a 1-element leaf has one of its own, none compiled twice."""
-    monkeypatch.setattr(fzero.leafwise, "GROUP", 2)
+    monkeypatch.setattr(fzero.cpu.leafwise, "GROUP", 2)
     p0 = odd_params()
     seq = grads_seq(p0, param_dtype, 2.0**10 if param_dtype == torch.float16 else 1.0)
     seq[4]["blocks"][0]["g"][3] = float("nan")
@@ -84,7 +84,7 @@ def test_many_leaves_compile_two_graphs_and_match_the_flat_step(monkeypatch):
     """10 leaves of 10 sizes in groups of 4: the update compiles one graph for the full groups
     and one for the last, whatever the sizes (dynamic), none a recompile; the results are the
     flat step's, bit for bit."""
-    monkeypatch.setattr(fzero.leafwise, "GROUP", 4)
+    monkeypatch.setattr(fzero.cpu.leafwise, "GROUP", 4)
     g = torch.Generator().manual_seed(3)
     p0 = {f"p{i}": torch.randn(2 + 7 * i, generator=g) for i in range(10)}
     seq = [optree.tree_map(lambda x: (torch.randn(x.shape, generator=g) * 64).half(), p0) for _ in range(2)]
@@ -95,7 +95,7 @@ def test_many_leaves_compile_two_graphs_and_match_the_flat_step(monkeypatch):
     with torch._dynamo.config.patch(error_on_recompile=True):
         for grads in seq:
             params, state, ss, _ = step(params, grads, state, ss)
-    assert len(engine._compiled_update.leaves._compiled) == 2
+    assert len(engine._kernels.leaves._compiled) == 2
     flat = train(p0, seq, torch.float16, flat=True)
     for a, b in zip(optree.tree_leaves((params, state)), optree.tree_leaves(flat[:2])):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -115,7 +115,7 @@ def test_leaf_by_leaf_with_bf16_moments_equals_the_flat_step_bitwise():
         carry = engine.flat_params(params) if flat else params
         for g in seq:
             carry, state, ss, _ = step(carry, fzero.flatten(g, engine.layout) if flat else g, state, ss)
-        assert (engine._compiled_update.leaves._compiled != {}) == (not flat)
+        assert (engine._kernels.leaves._compiled != {}) == (not flat)
         out.append((fzero.flatten(carry, engine.layout) if not flat else carry, state))
     for a, b in zip(optree.tree_leaves(out[0]), optree.tree_leaves(out[1])):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -134,7 +134,7 @@ def test_leaf_by_leaf_writes_in_place_and_copies_no_grads():
     counters.clear()
     out, buffers = compiled_buffers(torch.compile(engine.step, fullgraph=True), params, grads, state, ss)
     # the step, and its update's loops per leaf (compiled once per dispatch state it runs in)
-    assert counters["stats"]["unique_graphs"] == 1 + len(engine._compiled_update.leaves._compiled)
+    assert counters["stats"]["unique_graphs"] == 1 + len(engine._kernels.leaves._compiled)
     assert all(a is b for a, b in zip(optree.tree_leaves(out[0]), given))
     assert out[1].master is state.master
     big = [(n, dtype) for n, dtype in buffers if n >= 300 * 7]
@@ -187,7 +187,7 @@ def test_transform_with_blocks_keeps_the_update_in_the_steps_graph():
     torch._dynamo.reset()
     counters.clear()
     torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
-    assert counters["stats"]["unique_graphs"] == 1 and engine._compiled_update.leaves is None
+    assert counters["stats"]["unique_graphs"] == 1 and engine._kernels.leaves is None
 
 
 @pytest.mark.slow
@@ -198,13 +198,13 @@ def test_small_leaves_or_a_small_model_keep_the_update_in_the_steps_graph(monkey
     test of this file does)."""
     p0 = odd_params()  # 55 elements in 4 leaves
     for mean_numel, numel, leaf_by_leaf in ((14, 0, False), (13, 0, True), (0, 56, False), (0, 55, True)):
-        monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", mean_numel)
-        monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", numel)
-        assert fzero.leafwise.worthwhile(55, 4) == leaf_by_leaf
+        monkeypatch.setattr(fzero.cpu.leafwise, "MIN_MEAN_NUMEL", mean_numel)
+        monkeypatch.setattr(fzero.cpu.leafwise, "MIN_NUMEL", numel)
+        assert fzero.cpu.leafwise.worthwhile(55, 4) == leaf_by_leaf
     # the engine asks with the model's elements and leaves (not the padded layout's), at its first
     # compiled step, and keeps the update in the step's graph when told no
     asked = []
-    monkeypatch.setattr(fzero.leafwise, "worthwhile",
+    monkeypatch.setattr(fzero.cpu.leafwise, "worthwhile",
                         lambda numel, leaves, native: asked.append((numel, leaves, native)) or False)
     grads = optree.tree_map(lambda x: (x * 64).half(), grads_like(p0, 0))
     engine = engine_for(torch.float16)
@@ -212,7 +212,7 @@ def test_small_leaves_or_a_small_model_keep_the_update_in_the_steps_graph(monkey
     torch._dynamo.reset()
     counters.clear()
     torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
-    assert set(asked) == {(55, 4, False)} and engine._compiled_update.leaves is None
+    assert set(asked) == {(55, 4, False)} and engine._kernels.leaves is None
     assert counters["stats"]["unique_graphs"] == 1
 
 
@@ -230,7 +230,7 @@ def test_shared_scalars_merges_identical_pure_nodes_only():
         return a * b + r1 + r2 + z1 + z2
 
     gm = torch.fx.symbolic_trace(f)
-    fzero.leafwise._SharedScalars()(gm.graph)
+    fzero.cpu.leafwise._SharedScalars()(gm.graph)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.aten.add.Tensor) == 1
     assert targets.count(torch.ops.aten.rand_like.default) == 2 and targets.count(torch.ops.aten.copy_.default) == 2

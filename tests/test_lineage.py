@@ -14,7 +14,7 @@ import fzero
 from fzero import lineage, transforms
 from fzero.checkpoint import CheckpointError
 from fzero.lineage import ParamsEditedError
-from fzero.update import cast_params
+from fzero.cast import cast_params
 from distributed import run_ranks
 from helpers import grads_like, master_tree, tree_equal
 from fzero.models import mlp

@@ -1,4 +1,4 @@
-"""fzero's own CPU kernels (``fzero.native``): the AdamW update gives the same bits as the update
+"""fzero's own CPU kernels (``fzero.cpu.native``): the AdamW update gives the same bits as the update
 inductor compiles, in place, a skipped step, padding, BF16's ties-away rounding and the
 saturation of the cast; the pure step and the transforms it cannot run keep inductor's loops.
 The eager norm's sum of squares: the float64 sum, non-finite on any inf or NaN, the same bits
@@ -22,10 +22,14 @@ import torch._dynamo
 import torch.utils.cpp_extension
 
 import fzero
-import fzero.leafwise
-from fzero import native, transforms
-from fzero.grads import Segments
-from fzero.update import NORM_BLOCK, NORM_ROW, cast_params, compiled_update, sum_of_squares
+import fzero.cpu.leafwise
+from fzero import transforms
+from fzero.cpu import native
+from fzero.cpu.kernel import native_sum_of_squares
+from fzero.grad_forms import Segments
+from fzero.cast import cast_params
+from fzero.norm import NORM_BLOCK, NORM_ROW, sum_of_squares
+from fzero.update import compiled_update
 from distributed import require_tier
 from helpers import grads_like, grads_seq, odd_params
 
@@ -37,9 +41,9 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 @pytest.fixture
 def leaf_by_leaf_at_any_size(monkeypatch):
-    monkeypatch.setattr(fzero.leafwise, "MIN_MEAN_NUMEL", 0)
-    monkeypatch.setattr(fzero.leafwise, "MIN_NUMEL", 0)
-    monkeypatch.setattr(fzero.leafwise, "NATIVE_MIN_NUMEL", 0)
+    monkeypatch.setattr(fzero.cpu.leafwise, "MIN_MEAN_NUMEL", 0)
+    monkeypatch.setattr(fzero.cpu.leafwise, "MIN_NUMEL", 0)
+    monkeypatch.setattr(fzero.cpu.leafwise, "NATIVE_MIN_NUMEL", 0)
 
 
 def counted(monkeypatch) -> list:
@@ -61,8 +65,8 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
     engine = fzero.zero1(tx, param_dtype=param_dtype, loss_scale=scaling, donate=donate, bucket_bytes=48,
                          master=master)
     params, state, ss = engine.init(p0)
-    assert engine._compiled_update.native == use_native
-    assert (engine._compiled_update.leaves is not None) == (use_native and donate or param_dtype != torch.float32)
+    assert engine._kernels.native == use_native
+    assert (engine._kernels.leaves is not None) == (use_native and donate or param_dtype != torch.float32)
     step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
     carry = engine.flat_params(params) if flat else params
     infos = []
@@ -80,7 +84,7 @@ def train(p0, seq, param_dtype, *, flat, donate, use_native, monkeypatch, compil
 @pytest.mark.parametrize("param_dtype,donate,master", [(torch.float16, True, "fp32"), (torch.bfloat16, True, "fp32"),
                                                        (torch.bfloat16, False, "fp32"), (torch.float32, True, "fp32"),
                                                        (torch.float32, True, "params")])
-def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, master, monkeypatch, leaf_by_leaf_at_any_size):
+def test_kernel_equals_the_kernels_bitwise(param_dtype, donate, master, monkeypatch, leaf_by_leaf_at_any_size):
     """The compiled step from a grads pytree (leaf by leaf) and from the flat buffer with the
     kernel, and the eager step with it, against the compiled step on the flat buffer with
     inductor's loops (which ``test_leafwise.py`` holds bit for bit to the leaf-by-leaf loops):
@@ -109,7 +113,7 @@ def test_kernel_equals_the_compiled_update_bitwise(param_dtype, donate, master, 
     for got in runs.values():
         assert [bool(i["found_inf"]) for i in got[2]] == [bool(i["found_inf"]) for i in want[2]] == [
             False, False, True, False, False]
-        # the norm in rows of its own where the kernel takes it (eager, and leaf by leaf: fzero.native)
+        # the norm in rows of its own where the kernel takes it (eager, and leaf by leaf: fzero.cpu.native)
         torch.testing.assert_close(norms(got), norms(want), rtol=1e-6, atol=0, equal_nan=True)
         for a, b in zip(optree.tree_leaves(got[:2]), optree.tree_leaves(want[:2])):
             assert a.dtype == b.dtype and torch.equal(a, b)
@@ -128,7 +132,7 @@ def edge_master(param_dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("param_dtype", [*DTYPES, torch.float32])
-def test_kernel_equals_the_compiled_update_at_the_casts_edges(param_dtype, skip):
+def test_kernel_equals_the_kernels_at_the_casts_edges(param_dtype, skip):
     """``adamw_update`` on a shard with gaps between its grad pieces (padding: zero grads) and
     master values at the cast's edges, against the compiled ``_update`` of the same transform on
     the grads (FP16, BF16 or FP32, as the params) times the mean factor: the master, both
@@ -188,12 +192,12 @@ def test_a_transform_it_cannot_run_never_calls_it(monkeypatch, leaf_by_leaf_at_a
         torch._dynamo.reset()
         engine = fzero.zero1(tx, param_dtype=torch.bfloat16, loss_scale=None, donate=True)
         params, state, ss = engine.init(p0)
-        assert engine._compiled_update.native  # the kernel is there: the transform declines it
+        assert engine._kernels.native  # the kernel is there: the transform declines it
         step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
         flat = engine.flat_params(params)
         for g in seq:
             params, state, ss, _ = step(params, g, state, ss)
-        assert bool(engine._compiled_update.leaves._compiled) == compiled  # leaf by leaf: compiled only
+        assert bool(engine._kernels.leaves._compiled) == compiled  # leaf by leaf: compiled only
         for g in seq:
             flat, state, ss, _ = step(flat, fzero.flatten(g, engine.layout), state, ss)
     assert calls == []
@@ -211,11 +215,11 @@ def test_where_it_runs_the_update_the_models_size_alone_picks_leaf_by_leaf(monke
     clipped = transforms.chain(transforms.clip_by_global_norm(1.0), transforms.adamw(lr=1e-2))
     for tx, donate, native_min, leaf_by_leaf in ((adamw, True, 55, True), (adamw, True, 56, False),
                                                  (clipped, True, 0, False), (adamw, False, 0, False)):
-        monkeypatch.setattr(fzero.leafwise, "NATIVE_MIN_NUMEL", native_min)
+        monkeypatch.setattr(fzero.cpu.leafwise, "NATIVE_MIN_NUMEL", native_min)
         engine = fzero.zero1(tx, param_dtype=torch.bfloat16, loss_scale=None, donate=donate)
         engine.init(p0)
-        assert (engine._compiled_update.leaves is not None) == leaf_by_leaf, (tx, native_min)
-    assert fzero.leafwise.MIN_MEAN_NUMEL * 4 > 55
+        assert (engine._kernels.leaves is not None) == leaf_by_leaf, (tx, native_min)
+    assert fzero.cpu.leafwise.MIN_MEAN_NUMEL * 4 > 55
 
 
 @pytest.mark.slow
@@ -256,13 +260,13 @@ def test_sum_of_squares_is_the_float64_sum_on_any_number_of_threads(dtype):
     want = g.double().square().sum()
     threads = torch.get_num_threads()
     for bounded in (True, False):
-        got = sum_of_squares(seg, bounded=bounded, native=True)
+        got = native_sum_of_squares(seg, bounded=bounded)
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=2e-6, atol=0)
         torch.testing.assert_close(got, sum_of_squares(seg, bounded=bounded), rtol=2e-6, atol=0)
         try:
             torch.set_num_threads(1 if threads > 1 else 2)
-            assert torch.equal(sum_of_squares(seg, bounded=bounded, native=True), got)
+            assert torch.equal(native_sum_of_squares(seg, bounded=bounded), got)
         finally:
             torch.set_num_threads(threads)
 
@@ -275,16 +279,16 @@ def test_sum_of_squares_spans_the_range_and_is_non_finite_on_any_inf_or_nan(dtyp
     info = torch.finfo(dtype)
     g = torch.cat([torch.full((300,), info.max), torch.full((20,), info.smallest_normal * info.eps)]).to(dtype)
     seg = Segments.of(g, False)
-    torch.testing.assert_close(sum_of_squares(seg, bounded=False, native=True), g.double().square().sum(), rtol=1e-6,
+    torch.testing.assert_close(native_sum_of_squares(seg, bounded=False), g.double().square().sum(), rtol=1e-6,
                                atol=0)
     tiny = Segments.of(g[300:], False)
-    assert sum_of_squares(tiny, bounded=False, native=True) == g[300:].double().square().sum()
+    assert native_sum_of_squares(tiny, bounded=False) == g[300:].double().square().sum()
     for at in (5, 310):  # a full row, the zero-padded tail
         for bad, check in ((float("inf"), torch.isinf), (float("nan"), torch.isnan)):
             h = torch.ones(320, dtype=dtype)
             h[at] = bad
             for bounded in (True, False):
-                assert check(sum_of_squares(Segments.of(h, False), bounded=bounded, native=True))
+                assert check(native_sum_of_squares(Segments.of(h, False), bounded=bounded))
 
 
 @pytest.mark.parametrize("param_dtype", DTYPES)
@@ -417,7 +421,7 @@ def test_a_damaged_cached_library_is_rebuilt_never_loaded(damage, why, cache, mo
         warnings.simplefilter("always")
         assert native._module.__wrapped__() is torch.ops.fzero_native
     assert [str(w.message) for w in caught] == ([] if why is None else [
-        f"fzero.native: the cached CPU kernels {cache.library} are damaged ({why}); rebuilding them"])
+        f"fzero.cpu.native: the cached CPU kernels {cache.library} are damaged ({why}); rebuilding them"])
     assert len(builds) == 1 and not os.path.exists(builds[0])
     with open(cache.library, "rb") as f:
         assert f.read() == b"the new library"
@@ -435,7 +439,7 @@ def test_a_damaged_cached_library_is_rebuilt_never_loaded(damage, why, cache, mo
 BUILD = """
 import signal, torch
 from torch.utils import file_baton
-from fzero import native
+from fzero.cpu import native
 acquire = file_baton.FileBaton.try_acquire
 def announced(self):
     got = acquire(self)
@@ -494,7 +498,7 @@ def test_a_build_killed_by_sigterm_or_sigkill_holds_no_later_process(tmp_path):
     second = killed_in_its_build(tmp_path, signal.SIGKILL)
     assert not os.path.exists(first) and second != first
     proc = built(tmp_path)
-    assert proc.returncode == 0 and "fzero.native" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "fzero.cpu.native" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stdout.split() == BUILT
     name = native._files().name
     assert sorted(os.listdir(tmp_path / "fzero_native")) == [name + ext for ext in (".json", ".lock", ".so")]

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import fzero
 from fzero import transforms
 from distributed import run_ranks
-from fzero.flat import flatten, make_layout, tree_shard, unflatten
+from fzero.flat import flatten, tree_shard, unflatten
+from fzero.layout import make_layout
 
 PROFILE = settings(max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 shapes = st.lists(st.integers(1, 6), min_size=0, max_size=3).map(tuple)  # () is a 0-d leaf

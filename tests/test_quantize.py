@@ -1,4 +1,5 @@
 """transforms.quantize: block-wise 8-bit moments, against float64 math."""
+import optree
 import pytest
 import torch
 
@@ -94,3 +95,66 @@ def test_zeros_and_numel_blocks():
     assert z.codes.shape == (3, 100) and z.codes.dtype == torch.uint8 and z.scale.shape == (2,)
     assert torch.equal(Q.dequantize(z), torch.zeros(3, 100))
     assert [Q.numel_blocks(n) for n in (0, 1, 256, 257)] == [0, 1, 1, 2]
+
+
+# The moment's own rules (``Quantized``'s methods): what the update and the checkpoint ask it.
+
+
+def test_a_quantized_moment_is_a_pytree_of_its_codes_then_its_scale():
+    q = Q.quantize(spread(3 * Q.BLOCK), signed=True)
+    leaves = optree.tree_leaves(q)  # the tensors states, checkpoints and compiled steps see, in order
+    assert len(leaves) == 2 and leaves[0] is q.codes and leaves[1] is q.scale
+    assert Q.is_stored(q) and not Q.is_stored(q.codes) and not Q.is_stored((q.codes, q.scale))
+    assert q.signed and not Q.quantize(spread(Q.BLOCK).square(), signed=False).signed
+    assert q.numel() == 3 * Q.BLOCK and Q.zeros(torch.empty(3, 100), signed=True).numel() == 300
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 512), (256, 512), (512, 700), (0, 700), (512, 512)])
+def test_shard_cuts_codes_and_their_blocks_scales_as_views(lo, hi):
+    x = spread(700, seed=5)
+    q = Q.quantize(x, signed=True)
+    part = q.shard(lo, hi)
+    assert torch.equal(part.codes, q.codes[lo:hi])
+    assert torch.equal(part.scale, q.scale[lo // Q.BLOCK: -(-hi // Q.BLOCK)])
+    # its value is the whole moment's value there, bitwise
+    assert torch.equal(part.value(), q.value()[lo:hi])
+    # views: storing into the slice writes the moment, and nothing outside the slice
+    before = q.value().clone()
+    part.store_(torch.full((hi - lo,), 0.5))
+    after = q.value()
+    assert torch.equal(after[lo:hi], torch.full((hi - lo,), 0.5))
+    assert torch.equal(after[:lo], before[:lo]) and torch.equal(after[hi:], before[hi:])
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 256), (0, 300), (256, 100), (0, 701), (-256, 256)])
+def test_shard_off_the_block_edges_raises_naming_the_block(lo, hi):
+    q = Q.quantize(spread(700), signed=True)
+    with pytest.raises(ValueError, match=rf"shard\({lo}, {hi}\) of 700 elements.*multiple of {Q.BLOCK}"):
+        q.shard(lo, hi)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_value_stored_saved_and_loaded_are_the_codec_bitwise(signed):
+    x = spread(4 * Q.BLOCK + 9, seed=6)
+    x = x if signed else x.square()
+    q = Q.quantize(x, signed=signed)
+    assert torch.equal(q.value(), Q.dequantize(q)) and q.value().dtype == torch.float32
+    y = x.flip(0) * 3
+    for got, want in ((q.stored(y), Q.quantize(y, signed=signed)),
+                      (q.stored(y, peak=y.clone()), Q.quantize(y, signed=signed, scale=Q.block_scale(y)))):
+        assert got.codes.dtype == q.codes.dtype and torch.equal(got.codes, want.codes)
+        assert torch.equal(got.scale, want.scale)
+    # the checkpoint's leaf: the FP32 value, shaped like the moment; loaded back, the same bits
+    saved = q.saved()
+    assert saved.dtype == torch.float32 and saved.shape == x.shape and torch.equal(saved, Q.dequantize(q))
+    back = Q.zeros(x, signed=signed).loaded(saved)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scale, q.scale)
+
+
+def test_store_in_place_writes_the_moments_own_tensors():
+    q = Q.zeros(torch.empty(2 * Q.BLOCK), signed=False)
+    codes, scale = q.codes, q.scale
+    v = spread(2 * Q.BLOCK, seed=7).square()
+    assert q.store_(v) is q and q.codes is codes and q.scale is scale
+    want = Q.quantize(v, signed=False)
+    assert torch.equal(codes, want.codes) and torch.equal(scale, want.scale)

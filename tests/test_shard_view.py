@@ -14,8 +14,11 @@ from torch.distributed.device_mesh import init_device_mesh
 import fzero
 from fzero import transforms
 from fzero.comm import SimulatedComm
-from fzero.flat import make_layout, tree_shard
-from fzero.shard_view import ShardView, assign, leaf_runs
+from fzero.flat import tree_shard
+from fzero.layout import make_layout
+from fzero.shard_view import ShardView, leaf_runs
+from fzero.transforms.tree import leaf_paths
+from fzero.whole_leaves import assign
 from distributed import run_ranks
 from helpers import forbid_host_syncs
 
@@ -143,7 +146,7 @@ def test_whole_from_a_group_of_a_group_is_fn_of_each_of_its_leaves():
     x = view.split(by_label).take(tree_shard(model(), layout, 0, dtype=torch.float32))["muon"]
     fn = lambda m: m * m.shape[0] - m.sum()  # each element depends on the whole leaf
     got = tall.parts["tall"].whole(tall.take(x)["tall"], fn, dtype=torch.float64)
-    want = [fn(leaf).double().reshape(-1) for path, leaf in zip(*fzero.flat.leaf_paths(model())[:2])
+    want = [fn(leaf).double().reshape(-1) for path, leaf in zip(*leaf_paths(model())[:2])
             if path.startswith("blocks") and path.endswith("v")]  # the [24, 8] matrices, in shard order
     assert got.dtype == torch.float64
     assert torch.equal(got, torch.cat(want[::-1]))  # the buckets hold the leaves in reverse order
@@ -161,7 +164,7 @@ def test_a_groups_mask_is_its_part_of_the_shards_mask(world_size):
         got = sub.to_shard(is_matrix(sub.tree))
         want = split.take(view.to_shard(is_matrix(model())))["adamw"]
         assert got.dtype == torch.bool and torch.equal(got, want)
-        assert sorted(fzero.flat.leaf_paths(sub.tree)[0]) == ["blocks/0/b", "blocks/1/b", "embed", "head", "tail"]
+        assert sorted(leaf_paths(sub.tree)[0]) == ["blocks/0/b", "blocks/1/b", "embed", "head", "tail"]
 
 
 def test_whole_applies_fn_to_each_leaf_whole_at_world_size_1():
@@ -198,7 +201,7 @@ def test_engine_at_world_size_1_is_the_plain_transform_bit_for_bit():
     params, state, ss = engine.init(model())
     for i in range(STEPS):
         params, state, ss, _ = engine.step(params, grads_at(i), state, ss)
-    for path, got, w in zip(*fzero.flat.leaf_paths(params)[:2], optree.tree_leaves(want)):
+    for path, got, w in zip(*leaf_paths(params)[:2], optree.tree_leaves(want)):
         assert torch.equal(got, w), path
     muon_state = state.tx_state.inner_states["muon"][0]
     assert muon_state.momentum_buffer.shape == (4 * 192 + 15,)  # the group's elements only
@@ -244,7 +247,7 @@ def test_export_full_writes_each_groups_moments_zero_outside_the_group(tmp_path)
     fzero.checkpoint.export_full(tmp_path / "full.safetensors", state, engine, moments=True)
     out = safetensors.load_file(tmp_path / "full.safetensors")
     momentum = {k.split("momentum_buffer/")[1]: v for k, v in out.items() if "momentum_buffer/" in k}
-    for path, tag in zip(fzero.flat.leaf_paths(model())[0], optree.tree_leaves(labels(model()))):
+    for path, tag in zip(leaf_paths(model())[0], optree.tree_leaves(labels(model()))):
         assert (momentum[path].abs().sum() > 0) == (tag == "muon"), path
 
 
@@ -347,7 +350,7 @@ def test_eager_on_a_large_cpu_shard_compiles_the_update_and_gives_the_same_param
             params, state, ss, _ = engine.step(params, grads_at(i), state, ss)
     assert len(chosen) == steps
     tags = optree.tree_leaves(labels(model()))
-    for tag, path, got, w in zip(tags, *fzero.flat.leaf_paths(params)[:2], optree.tree_leaves(want)):
+    for tag, path, got, w in zip(tags, *leaf_paths(params)[:2], optree.tree_leaves(want)):
         if tag == "muon":
             assert torch.equal(got, w), path
         else:

@@ -11,7 +11,7 @@ import fzero.checkpoint
 from fzero import transforms
 from distributed import run_ranks
 from fzero.storage import MASTERS, FP32Master, ParamsMaster, RemainderMaster, master_storage
-from fzero.update import cast_params
+from fzero.cast import cast_params
 from helpers import grads_like, odd_params, train_with_master
 
 

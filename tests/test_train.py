@@ -29,7 +29,7 @@ from fzero.checkpoint import read_manifest
 from fzero.models import gpt
 
 import data
-from helpers import EXAMPLES, TRAIN, edit_manifest, forbid_host_syncs, load_train_module, run_script
+from helpers import EXAMPLES, TRAIN, edit_manifest, forbid_host_syncs, load_train_module, made_once, run_script
 from ranks import RANK_0_REPORT_WAIT_S
 
 STEP_KEYS = {
@@ -55,10 +55,15 @@ def train(out: Path, *args: str, nproc: int | None = None, compile: bool = False
     if not check:
         return None, None, proc
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+    return (*read_log(out), proc)
+
+
+def read_log(out: Path):
+    """``(step records, summary)`` of the run in ``out`` (its metrics.jsonl)."""
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "config" in lines[0], "the log must start with the config record"
     assert "summary" in lines[-1], "the log must end with the summary record"
-    return lines[1:-1], lines[-1]["summary"], proc
+    return lines[1:-1], lines[-1]["summary"]
 
 
 def mean(xs):
@@ -177,13 +182,29 @@ def test_fp16_and_bf16_track_fp32(tmp_path):
         assert abs(val_loss - ref_val) <= 0.03 * ref_val, (dtype, result)
 
 
+# An FP32 run of 25 steps, and the same on 2 ranks saving a checkpoint every 8 steps (saving
+# syncs the host, it changes no number): two tests hold the 2-rank run, each to its own claim.
+FP32_RUN = [*SMALL_GPT, "--dtype", "fp32", "--steps", "25", "--eval-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple[Path, list[dict], dict, str]:
+    """``(run directory, step records, summary, stdout)`` of FP32_RUN on 2 ranks with
+    ``--save-every 8``, run once per test session (``helpers.made_once``)."""
+    def make(path):
+        _, _, proc = train(path / "run", *FP32_RUN, "--save-every", "8", nproc=2)
+        (path / "stdout.txt").write_text(proc.stdout)
+
+    path = made_once(tmp_path_factory, "two_rank_run", make)
+    return (path / "run", *read_log(path / "run"), (path / "stdout.txt").read_text())
+
+
 @pytest.mark.e2e
-def test_two_ranks_match_one_rank_on_the_same_global_batch(tmp_path):
+def test_two_ranks_match_one_rank_on_the_same_global_batch(two_rank_run, tmp_path):
     """Each rank takes half the rows of the same global batch: the 2-rank loss curve (mean over
     ranks) is the 1-process curve, and so is the final val loss."""
-    common = [*SMALL_GPT, "--dtype", "fp32", "--steps", "25", "--eval-every", "0"]
-    one, one_summary, _ = train(tmp_path / "one", *common)
-    two, two_summary, _ = train(tmp_path / "two", *common, nproc=2)
+    one, one_summary, _ = train(tmp_path / "one", *FP32_RUN)
+    _, two, two_summary, _ = two_rank_run
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]
     assert len(diffs) == 25 and max(diffs) < 1e-2, diffs
     assert abs(one_summary["final_val_loss"] - two_summary["final_val_loss"]) < 1e-2
@@ -437,17 +458,19 @@ def test_trains_on_a_user_text_file(tmp_path):
 
 
 @pytest.mark.e2e
-def test_save_every_and_resume_at_another_world_size_continue_exactly(tmp_path):
-    """Train 16 steps on 2 ranks saving every 8; resume step 8's checkpoint on 1 rank: the
-    remaining 8 steps give the same loss curve as the straight run (within FP32 rounding).
-    Resumed with other --weight-decay/--grad-clip, the run uses those and says so."""
-    args = [*SMALL_GPT, "--dtype", "fp32", "--steps", "16", "--eval-every", "0"]
-    straight, summary, proc = train(tmp_path / "a", *args, "--save-every", "8", nproc=2)
-    ckpt = tmp_path / "a" / "ckpt" / "step-8"
-    saved = [line for line in proc.stdout.splitlines() if line.startswith("saved checkpoint")]
-    assert len(saved) == 2 and saved[0].startswith(f"saved checkpoint {ckpt} (") and " MiB, " in saved[0]
-    assert summary["checkpoints"] == [str(ckpt), str(tmp_path / "a" / "ckpt" / "step-16")]
-    assert read_manifest(ckpt)["extra"]["step"] == 8 and read_manifest(tmp_path / "a" / "ckpt" / "step-16")["extra"]["step"] == 16
+def test_save_every_and_resume_at_another_world_size_continue_exactly(two_rank_run, tmp_path):
+    """Train 25 steps on 2 ranks saving every 8 (and at the last step); resume step 8's
+    checkpoint on 1 rank: the remaining 17 steps give the same loss curve as the straight run
+    (within FP32 rounding). Resumed with other --weight-decay/--grad-clip, the run uses those
+    and says so."""
+    args = FP32_RUN
+    run, straight, summary, stdout = two_rank_run
+    ckpt = run / "ckpt" / "step-8"
+    saved = [line for line in stdout.splitlines() if line.startswith("saved checkpoint")]
+    assert len(saved) == 4 and saved[0].startswith(f"saved checkpoint {ckpt} (") and " MiB, " in saved[0]
+    assert summary["checkpoints"] == [str(run / "ckpt" / f"step-{s}") for s in (8, 16, 24, 25)]
+    assert read_manifest(ckpt)["extra"]["step"] == 8 and read_manifest(run / "ckpt" / "step-16")["extra"]["step"] == 16
+    assert read_manifest(run / "ckpt" / "step-25")["extra"]["step"] == 25
     resumed, summary, proc = train(tmp_path / "b", *args, "--resume", str(ckpt))
     hyperparams = {"max_norm": 1.0, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.01}  # train.py's defaults
     assert summary["resumed"] == {"from": str(ckpt), "step": 8, "hyperparams": hyperparams}
@@ -458,7 +481,7 @@ def test_save_every_and_resume_at_another_world_size_continue_exactly(tmp_path):
     assert summary["resumed"]["hyperparams"] == {**hyperparams, "weight_decay": 0.5, "max_norm": 0.01}
     assert "weight_decay: checkpoint 0.01, engine 0.5" in proc.stderr and "max_norm: checkpoint 1.0, engine 0.01" in proc.stderr
     assert changed[0]["loss"] == resumed[0]["loss"] and changed[-1]["loss"] != resumed[-1]["loss"]
-    assert [r["step"] for r in resumed] == list(range(9, 17))
+    assert [r["step"] for r in resumed] == list(range(9, 26))
     for a, b in zip(straight[8:], resumed):
         assert abs(a["loss"] - b["loss"]) < 1e-4 * a["loss"], (a, b)
 
@@ -477,10 +500,10 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory) -> Path:
-    """The run directory of RESUMABLE, 12 steps with checkpoints at steps 6 and 12."""
-    out = tmp_path_factory.mktemp("saved") / "run"
-    train(out, *RESUMABLE, *LOGGING, "--save-every", "6")
-    return out
+    """The run directory of RESUMABLE, 12 steps with checkpoints at steps 6 and 12, run once
+    per test session (``helpers.made_once``)."""
+    return made_once(tmp_path_factory, "saved_run", lambda path: train(path / "run", *RESUMABLE, *LOGGING,
+                                                                        "--save-every", "6")) / "run"
 
 
 @pytest.fixture(scope="module")

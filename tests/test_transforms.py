@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fzero import transforms
-from fzero.transforms.base import register_holder
+from fzero.transforms.hyperparams import register_holder
 from helpers import run_tx
 
 

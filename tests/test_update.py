@@ -1,5 +1,6 @@
-"""fzero.update: the update variants (fused kernel chunk by chunk, generic chunked, compiled
-chunks, generic on the whole shard), the choice between them, the saturating cast and the grad norm's sum of squares."""
+"""fzero.update and its CPU wing's chunks (``fzero.cpu.chunked``): the update variants (fused kernel chunk by
+chunk, generic chunked, compiled chunks, generic on the whole shard), the plan's choice between them
+(``fzero.plan``), the saturating cast (``fzero.cast``) and the grad norm's sum of squares (``fzero.norm``)."""
 
 import contextlib
 
@@ -8,13 +9,16 @@ import pytest
 import torch
 
 import fzero
+import fzero.cpu.chunked
 from fzero import transforms
-from fzero.grads import Reduced, Segments
-from fzero.mode import StepMode
-from fzero.update import (ShardGrads, cast_params, choose, compiled_chunks, compiled_update, fused_chunks, generic_chunks,
-                          generic_whole, sum_of_squares, write_into)
+from fzero.cast import IntoBuffer, IntoLeaves, IntoMaster, NewTensor, cast_params, write_into
+from fzero.cpu.chunked import fused_chunks, generic_chunks
+from fzero.grad_forms import Reduced, Segments
+from fzero.norm import sum_of_squares
+from fzero.update import ShardGrads, ask_fused, compiled_update, generic_whole
 from fzero.models import mlp
-from helpers import NewTensors, assert_compiled_state_close, grads_like, odd_params, tree_assert_close, tree_equal
+from helpers import (NewTensors, assert_compiled_state_close, grads_like, odd_params, step_plan, tree_assert_close,
+                     tree_equal)
 
 
 # ---------------------------------------------------------------- the variants, called directly
@@ -31,11 +35,13 @@ def shard_problem(S=1000, seed=0):
     return tx, master, tx_state, ShardGrads.of(Reduced(g, 1.0, False), torch.tensor(8.0))
 
 
-def mode(**kw):
-    base = dict(compiled=False, fused=True, chunk=None, state_device=torch.device("cpu"), flat_in=True,
-                donate=False, cast_into_params=False, write_params=False, own_buffer=True, leafwise=False, native=False,
-                native_norm=False, params_are_master=False)
-    return StepMode(**{**base, **kw})
+def update_path(plan) -> str:
+    """The plan's update variant and the fallbacks it carries, by name: ``FusedChunks > Chunks``."""
+    names, v = [], plan.update
+    while v is not None:
+        names.append(type(v).__name__)
+        v = getattr(v, "fallback", None)
+    return " > ".join(names)
 
 
 def run(variant, fused, tx, master, tx_state, grads, *, chunk, donate=False, out=None):
@@ -50,11 +56,11 @@ def test_the_variants_share_one_signature_and_agree():
     tx, master, tx_state, grads = shard_problem()
     kept = optree.tree_map(torch.clone, (master, tx_state))
     skip, norm = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64)
-    fused = choose(mode(), tx, tx_state, grads, skip, norm, master.numel())
-    assert fused[0] is fused_chunks and fused[1] is not None
+    fused = ask_fused(tx, tx_state, grads, skip, norm, torch.device("cpu"))
+    assert update_path(step_plan(chunk=None, numel=master.numel())[0]) == "Fused > Whole" and fused is not None
     whole = run(generic_whole, None, tx, master, tx_state, grads, chunk=None)
     chunked = run(generic_chunks, None, tx, master, tx_state, grads, chunk=128)
-    kernel = run(fused_chunks, fused[1], tx, master, tx_state, grads, chunk=128)
+    kernel = run(fused_chunks, fused, tx, master, tx_state, grads, chunk=128)
     assert tree_equal(whole, chunked)
     tree_assert_close(kernel[:2], whole[:2], rtol=1e-6, atol=1e-7)
     assert torch.equal(whole[2], cast_params(whole[0], torch.float16))
@@ -64,8 +70,8 @@ def test_the_variants_share_one_signature_and_agree():
 def test_every_variant_casts_into_out_and_donated_writes_the_inputs():
     for variant, chunk in ((generic_whole, None), (generic_chunks, 100), (fused_chunks, 100)):
         tx, master, tx_state, grads = shard_problem()
-        fused = choose(mode(), tx, tx_state, grads, torch.tensor(False), torch.tensor(3.0, dtype=torch.float64),
-                       master.numel())[1] if variant is fused_chunks else None
+        fused = ask_fused(tx, tx_state, grads, torch.tensor(False), torch.tensor(3.0, dtype=torch.float64),
+                          torch.device("cpu")) if variant is fused_chunks else None
         out = torch.empty(master.numel(), dtype=torch.float16)
         new_master, _, shard = run(variant, fused, tx, master, tx_state, grads, chunk=chunk, donate=True, out=out)
         assert shard is out and torch.equal(out, cast_params(new_master, torch.float16))
@@ -76,81 +82,89 @@ def test_every_variant_casts_into_out_and_donated_writes_the_inputs():
 def test_choose_takes_the_kernel_only_eager_and_when_the_transform_does_not_decline():
     tx, master, tx_state, grads = shard_problem()
     skip, norm, S = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64), master.numel()
-    assert choose(mode(fused=False, chunk=None), tx, tx_state, grads, skip, norm, S) == (generic_whole, None)
-    assert choose(mode(fused=False, chunk=100), tx, tx_state, grads, skip, norm, S) == (generic_chunks, None)
-    assert choose(mode(fused=False, chunk=S), tx, tx_state, grads, skip, norm, S) == (generic_whole, None)
+    assert update_path(step_plan(fused=False, chunk=None, numel=S)[0]) == "Whole"
+    assert update_path(step_plan(fused=False, chunk=100, numel=S)[0]) == "Chunks"
+    assert update_path(step_plan(fused=False, chunk=S, numel=S)[0]) == "Whole"
+    assert update_path(step_plan(compiled=True, chunk=100, numel=S)[0]) == "Whole"  # compiled: never the kernel
     adam = tx_state[1][0]  # a hyperparameter made by arithmetic carries no host value: the kernel declines
     declined = (tx_state[0], (adam._replace(b2=adam.b2 * 1.0), *tx_state[1][1:]))
-    assert choose(mode(chunk=100), tx, declined, grads, skip, norm, S) == (generic_chunks, None)
+    plan = step_plan(chunk=100, numel=S)[0]
+    assert update_path(plan) == "FusedChunks > Chunks" and ask_fused(tx, declined, grads, skip, norm, master.device) is None
+    # the plan's fused variant runs the fallback it carries: generic_chunks, bitwise
+    assert tree_equal(plan.update.run(tx, grads, master, declined, skip, norm),
+                      run(generic_chunks, None, tx, master, declined, grads, chunk=100))
 
 
 def test_choose_compiles_the_chunks_for_bf16_or_8_bit_state_from_compile_numel_up(monkeypatch):
-    """Only BF16 or 8-bit state (not FP32 moments beside a decay mask's bools), only eager and
-    chunked, only from ``COMPILE_NUMEL`` shard elements up."""
+    """Only BF16 or 8-bit state (not FP32 moments beside a decay mask's bools: ``Kernels.low_precision``,
+    found at ``init``), only eager and chunked, only from ``COMPILE_NUMEL`` shard elements up."""
     monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", 1000)
     skip, norm = torch.tensor(False), torch.tensor(3.0, dtype=torch.float64)
+    p0 = {"w": torch.zeros(1024)}
     tx, master, tx_state, grads = shard_problem()  # FP32 moments, a bool mask
-    assert choose(mode(fused=False, chunk=100), tx, tx_state, grads, skip, norm, 1000) == (generic_chunks, None)
+    engine = fzero.zero1(tx, param_dtype=torch.float16)
+    engine.init(p0)
+    assert not engine._kernels.low_precision
+    assert update_path(step_plan(fused=False, chunk=100, numel=1000)[0]) == "Chunks"
     for moments in (torch.bfloat16, torch.int8):
         low = transforms.adamw(lr=1e-2, mu_dtype=moments, nu_dtype=moments)
-        state = low.init(torch.zeros(1024), context=transforms.ShardContext({"w": torch.zeros(1024)}, lambda _: None))
-        assert choose(mode(fused=False, chunk=256), low, state, grads, skip, norm, 1024) == (compiled_chunks, None)
-        assert choose(mode(fused=True, chunk=256), low, state, grads, skip, norm, 1024) == (compiled_chunks, None)
+        engine = fzero.zero1(low, param_dtype=torch.float16)
+        state = engine.init(p0)[1].tx_state
+        assert engine._kernels.low_precision
+        assert update_path(step_plan(fused=False, chunk=256, numel=1024, low_precision=True)[0]) == "CompiledChunks"
+        # fused where the transform gives its form: it declines BF16 or 8-bit moments, the chunks compile
+        assert update_path(step_plan(chunk=256, numel=1024, low_precision=True)[0]) == "FusedChunks > CompiledChunks"
+        assert ask_fused(low, state, grads, skip, norm, torch.device("cpu")) is None
         monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", 1025)
-        assert choose(mode(fused=False, chunk=256), low, state, grads, skip, norm, 1024) == (generic_chunks, None)
+        assert update_path(step_plan(fused=False, chunk=256, numel=1024, low_precision=True)[0]) == "Chunks"
         monkeypatch.setattr(fzero.update, "COMPILE_NUMEL", 1000)
-        assert choose(mode(fused=False, chunk=None), low, state, grads, skip, norm, 1024) == (generic_whole, None)
-        assert choose(mode(compiled=True, fused=False, chunk=256), low, state, grads, skip, norm, 1024) == (
-            generic_chunks, None)
+        assert update_path(step_plan(fused=False, chunk=None, numel=1024, low_precision=True)[0]) == "Whole"
+        assert update_path(step_plan(compiled=True, fused=False, chunk=256, numel=1024, low_precision=True)[0]) == (
+            "Whole")
 
 
-def test_step_mode_decides_each_mode_once():
-    kw = dict(has_fused=True, chunk_numel=256, param_dtype=torch.float16, state_device=torch.device("cpu"),
-              leafwise=True, native=True, native_leaves=True, native_norm=True, master_in_params=False)
-    m = StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)
-    assert (m.compiled, m.fused, m.chunk, m.cast_into_params, m.write_params, m.own_buffer) == (False, True, 256, True, True, True)
-    m = StepMode.choose(donate=True, world_size=2, flat_in=False, **kw)
-    assert m.fused and not m.cast_into_params
-    m = StepMode.choose(donate=False, world_size=1, flat_in=True, **{**kw, "has_fused": False})
-    assert not m.fused and not m.cast_into_params and not m.write_params
-    compiled = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False, **kw)),
-                             fullgraph=True, backend="eager")(torch.zeros(1))[1]
-    assert compiled.compiled and not compiled.fused and compiled.chunk is None
-    assert not compiled.write_params and not compiled.own_buffer  # FP16 pytree leaves: a new buffer
+def test_step_plan_decides_each_mode_once():
+    kw = dict(chunk=256, native=True, native_leaves=True, leaves=True)
+    m = step_plan(donate=True, flat_in=False, **kw)[0]  # eager, fused, chunked; cast into the params' own buffer
+    assert not m.compiled and update_path(m) == "Native > FusedChunks > Chunks" and m.update.fallback.chunk == 256
+    assert isinstance(m.cast, IntoBuffer) and m.params.buffer is not None
+    m2 = step_plan(donate=True, world_size=2, flat_in=False, chunk=64, native=False)[0]
+    assert update_path(m2) == "FusedChunks > Chunks" and isinstance(m2.cast, NewTensor)
+    pure = step_plan(fused=False, **kw)[0]
+    assert update_path(pure) == "Chunks" and isinstance(pure.cast, NewTensor) and not pure.gather.write
+    compiled = step_plan(compiled=True, donate=True, flat_in=False, **kw)[0]
+    assert compiled.compiled and compiled.update.fallback.into is compiled.cast  # no chunks compiled
     # compiled from a pytree at world size 1, where the engine allows it: cast leaf by leaf into
-    # the params' own buffer, by the kernel where it runs the update (``choose`` asks it first)
-    assert compiled.leafwise and compiled.cast_into_params and compiled.native and not m.leafwise
-    plain = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False,
-                                                        **{**kw, "leafwise": False})),
-                          fullgraph=True, backend="eager")(torch.zeros(1))[1]
-    assert not plain.leafwise and not plain.cast_into_params and not plain.native
+    # the params' own buffer, by the kernel where it runs the update (it is asked first)
+    assert update_path(compiled) == "Native > CompiledLeaves" and isinstance(compiled.cast, IntoLeaves)
+    plain = step_plan(compiled=True, donate=True, flat_in=False, **{**kw, "leaves": False})[0]
+    assert update_path(plain) == "Whole" and isinstance(plain.cast, NewTensor)
+    assert not plain.gather.write and plain.params.buffer is None  # FP16 pytree leaves: a new buffer
     # leaf by leaf where the kernel declines the transform (``native_leaves`` false at init): its loops
-    declined = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=False,
-                                                           **{**kw, "native_leaves": False})),
-                             fullgraph=True, backend="eager")(torch.zeros(1))[1]
-    assert declined.leafwise and not declined.native
+    declined = step_plan(compiled=True, donate=True, flat_in=False, **{**kw, "native_leaves": False})[0]
+    assert update_path(declined) == "CompiledLeaves"
     # compiled on the flat buffer, donated, where the engine has fzero's CPU kernel: it casts into
     # the params' own buffer (at world size 1); compiled pure, no kernel; eager with a fused form,
     # donated or pure, the kernel; not at world size 2
-    flat = torch.compile(lambda x: (x, StepMode.choose(donate=True, world_size=1, flat_in=True, **kw)),
-                         fullgraph=True, backend="eager")(torch.zeros(1))[1]
-    assert flat.native and flat.cast_into_params and not flat.leafwise
-    flat_pure = torch.compile(lambda x: (x, StepMode.choose(donate=False, world_size=1, flat_in=True, **kw)),
-                              fullgraph=True, backend="eager")(torch.zeros(1))[1]
-    assert not flat_pure.native and not m.native  # m: eager without a fused form
-    eager_pure = StepMode.choose(donate=False, world_size=1, flat_in=False, **kw)
-    assert eager_pure.native and not eager_pure.cast_into_params
-    assert not StepMode.choose(donate=True, world_size=2, flat_in=True, **kw).native
+    flat = step_plan(compiled=True, donate=True, **kw)[0]
+    assert update_path(flat) == "Native > Whole" and isinstance(flat.cast, IntoBuffer)
+    flat_pure = step_plan(compiled=True, **kw)[0]
+    assert update_path(flat_pure) == "Whole" and update_path(pure) == "Chunks"  # pure: eager without a fused form
+    eager_pure = step_plan(flat_in=False, **kw)[0]
+    assert update_path(eager_pure).startswith("Native >") and isinstance(eager_pure.cast, NewTensor)
+    assert not update_path(step_plan(donate=True, world_size=2, **{**kw, "chunk": 64})[0]).startswith(
+        "Native")
     # the eager norm runs the kernel at any world size, pure or donated; the compiled one is
     # inductor's, but where the kernel runs the update leaf by leaf
-    assert m.native_norm and StepMode.choose(donate=False, world_size=2, flat_in=True, **kw).native_norm
-    assert compiled.native_norm and not declined.native_norm and not flat.native_norm
+    native_norm = lambda p: type(p.norm).__name__ == "NativeNorm"  # noqa: E731
+    assert native_norm(m) and native_norm(step_plan(world_size=2, **{**kw, "chunk": 64})[0])
+    assert native_norm(compiled) and not native_norm(declined) and not native_norm(flat)
     # FP32 params that are their master (master="params"): the update writes them as the master
     # where it writes into their own buffer, never into a pure step's inputs
-    kw = {**kw, "param_dtype": torch.float32, "master_in_params": True}
-    assert StepMode.choose(donate=True, world_size=1, flat_in=False, **kw).params_are_master
-    assert not StepMode.choose(donate=False, world_size=1, flat_in=False, **kw).params_are_master
-    assert not StepMode.choose(donate=True, world_size=2, flat_in=True, **kw).params_are_master
+    kw = {**kw, "param_dtype": torch.float32, "master": "params"}
+    assert isinstance(step_plan(donate=True, flat_in=False, **kw)[0].cast, IntoMaster)
+    assert not isinstance(step_plan(flat_in=False, **kw)[0].cast, IntoMaster)
+    assert not isinstance(step_plan(donate=True, world_size=2, **{**kw, "chunk": 64})[0].cast, IntoMaster)
 
 
 def test_write_into_copies_every_new_tensor_into_the_old_one():
@@ -260,8 +274,8 @@ def test_low_precision_moments_compile_their_chunk_update_and_skip_the_same(mome
     """From ``COMPILE_NUMEL`` shard elements (lowered here to 512), an eager step with BF16 or
     8-bit moments runs its chunks through one compiled update: the eager ops' results to float
     rounding (an 8-bit code at most one level away, rarely), bitwise whatever the chunking, every
-    state bit kept on a skipped step; under a dispatch mode (which torch.compile does not run
-    under) the eager ops instead."""
+    state bit kept on a skipped step; under a dispatch mode the same path, where torch.compile runs
+    nothing compiled: the compiled update's function eagerly, the eager ops' bits."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Passthrough(TorchDispatchMode):
@@ -273,8 +287,8 @@ def test_low_precision_moments_compile_their_chunk_update_and_skip_the_same(mome
     grads_list[2]["layers"][1]["w"][3, 1] = float("nan")  # step 3 is skipped
     tx = transforms.adamw(lr=1e-2, weight_decay=0.1, mu_dtype=moments, nu_dtype=moments)
     calls = []
-    compiled = fzero.update.compiled_chunks
-    monkeypatch.setattr(fzero.update, "compiled_chunks",
+    compiled = fzero.cpu.chunked.compiled_chunks
+    monkeypatch.setattr(fzero.cpu.chunked, "compiled_chunks",
                         lambda *a, **kw: calls.append(kw["chunk"]) or compiled(*a, **kw))
 
     def train(compile_numel, chunk, mode=contextlib.nullcontext):
@@ -295,7 +309,7 @@ def test_low_precision_moments_compile_their_chunk_update_and_skip_the_same(mome
     by_256, by_768 = train(512, 256), train(512, 768)  # chunks of 256 (6), then of 768 (2)
     assert calls == [256] * 4 + [768] * 4
     assert tree_equal(by_256, by_768)
-    assert tree_equal(train(512, 256, Passthrough), eager) and len(calls) == 8
+    assert tree_equal(train(512, 256, Passthrough), eager) and calls[8:] == [256] * 4
     tree_assert_close(by_256[0], eager[0], rtol=2e-3, atol=0)  # FP16 params: one FP16 step apart at most
     torch.testing.assert_close(by_256[1].master, eager[1].master, rtol=1e-6, atol=1e-7)
     assert_compiled_state_close(by_256[1].tx_state, eager[1].tx_state)

@@ -9,7 +9,7 @@ import torch
 
 from fzero import transforms
 from fzero.scaler import DynamicLossScale, StaticLossScale
-from fzero.transforms.base import HYPERPARAM_RULES
+from fzero.transforms.hyperparams import HYPERPARAM_RULES
 from fzero.transforms.validate import FINITE, check_count, check_number
 
 INF, NAN = float("inf"), float("nan")

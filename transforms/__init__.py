@@ -5,27 +5,23 @@ and ``update(updates, state, params=None, **extra)``; they work on any pytree. A
 applies them to a flat shard of a pytree (fzero's engine: one rank's FP32 shard) passes
 a ``ShardContext`` to ``init``, so that masks still refer to the pytree's leaves, and to every
 ``update`` of a transform that ``needs_context`` (``partition`` groups the shard's elements by
-leaf, Muon has the caller make each matrix whole): see ``transforms.base``. ``scalar`` and ``hyperparam`` are the helpers for the 0-d
+leaf, Muon has the caller make each matrix whole): see ``transforms.context``. ``scalar`` and ``hyperparam`` are the helpers for the 0-d
 tensors of states and steps (see ``transforms.scalars``). ``transforms.quantize`` is the 8-bit
 block-wise storage of ``adamw(mu_dtype=torch.int8, nu_dtype=torch.int8)``'s moments.
 ``partition`` gives each group of leaves its own transform (``muon`` for hidden matrices, say).
 """
+
+if __name__ != "fzero.transforms":  # the folder imported by its own name, from a checkout on sys.path
+    from fzero.transforms._alias import one_module
+
+    one_module(__name__, "fzero.transforms")  # the import then returns fzero.transforms itself
+
 from .adam import ScaleByAdamState, adamw, scale_by_adam
-from .base import (
-    FusedStep,
-    GradientTransformation,
-    MaskedState,
-    ShardContext,
-    Split,
-    apply_updates,
-    chain,
-    get_hyperparams,
-    iter_hyperparams,
-    identity,
-    masked,
-    resolve_per_leaf,
-    set_hyperparams,
-)
+from .protocol import GradientTransformation, apply_updates, identity
+from .combine import MaskedState, chain, masked
+from .context import ShardContext, Split, resolve_per_leaf
+from .fused import FusedStep
+from .hyperparams import get_hyperparams, iter_hyperparams, set_hyperparams
 from .clip import clip_by_global_norm, global_norm
 from .muon import ScaleByMuonState, muon, newton_schulz, scale_by_muon
 from .partition import PartitionState, partition

@@ -6,8 +6,12 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import HYPERPARAM_RULES, FusedStep, GradientTransformation, MaskedState, ShardContext, chain
-from .quantize import BLOCK, Quantized, block_scale, dequantize, quantize, zeros as quantized_zeros
+from .protocol import GradientTransformation
+from .combine import MaskedState, chain
+from .context import ShardContext
+from .fused import FusedStep
+from .hyperparams import HYPERPARAM_RULES
+from .quantize import BLOCK, block_scale, dequantize, is_stored, quantize, zeros as quantized_zeros
 from .scalars import host_value, hyperparam, scalar, zero_count
 from .scale import add_decayed_weights, learning_rate, next_learning_rate_state, scale_by_learning_rate
 from .validate import check_number
@@ -94,8 +98,8 @@ def scale_by_adam(
         t = count.to(torch.float64)
         step_size = scalar(1 / (1 - state.b1**t))
         # sqrt(v) times 1/sqrt(1 - b2^t), where torch.optim's kernels divide by sqrt(1 - b2^t): one
-        # division per element instead of two (a vector division costs several products; the
-        # compiled step 2-4% faster, docs/performance.md). The two differ by a rounding.
+        # division per element instead of two (a vector division costs several products: the
+        # compiled step is faster, docs/performance.md). The two differ by a rounding.
         inv_bc2_sqrt = scalar(1 / torch.sqrt(1 - state.b2**t))
         w1, b2, w2, eps = scalar(1 - state.b1), scalar(state.b2), scalar(1 - state.b2), scalar(state.eps)
 
@@ -110,9 +114,9 @@ def scale_by_adam(
             # same expressions: inductor stores a value that a reduction (the block maxima) and a
             # later loop (the encode and the update) both read, so it wrote the new FP32 moments to
             # shard-sized buffers between the two passes, 16 B/elem of traffic (and, on a CPU,
-            # fresh pages each step) where recomputing them reads 4 B/elem again.
-            # ``benchmarks/moments.py``: the compiled 8-bit step, 3.2x -> 2.0x the FP32-moment one.
-            quantized_leaf = isinstance(m_old, Quantized) or isinstance(v_old, Quantized)
+            # fresh pages each step) where recomputing them reads 4 B/elem again (the figures:
+            # docs/performance.md, ``benchmarks/moments.py``).
+            quantized_leaf = is_stored(m_old) or is_stored(v_old)
             peaks = moments() if quantized_leaf and torch.compiler.is_compiling() else (m, v)
             return (u.to(g.dtype), _store(m, m_old, signed=True, peak=peaks[0]),
                     _store(v, v_old, signed=False, peak=peaks[1]))
@@ -134,7 +138,7 @@ def _ema(m: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The first moment's average ``m + w * (g - m)`` (``w = 1 - b1``, 0-d): ``torch.lerp``'s
     form for weights under 0.5, written out. ``torch.lerp`` takes ``g - (g - m) * (1 - w)`` for
     the others and picks per element, which inductor's CPU code compiles into a select in every
-    element's loop: the compiled BF16 step of the main job's GPT ran 3-5% faster without it
+    element's loop: the compiled BF16 step of the main job's GPT runs faster without it
     (docs/performance.md). The two differ by a rounding where ``b1 <= 0.5``, and where
     ``torch.lerp`` fuses the multiply and the add (its CPU kernel does)."""
     return m + w * (g - m)
@@ -142,14 +146,14 @@ def _ema(m: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _load(moment) -> torch.Tensor:
     """A stored moment as FP32."""
-    return dequantize(moment) if isinstance(moment, Quantized) else moment.float()
+    return dequantize(moment) if is_stored(moment) else moment.float()
 
 
 def _store(x: torch.Tensor, old, *, signed: bool, peak: torch.Tensor):
     """The FP32 moment ``x`` stored as ``old`` is: quantized (``signed``: the first moment's
     map), with the block scales of ``peak`` (``x`` itself or the same values computed again),
     or cast to its dtype."""
-    if isinstance(old, Quantized):
+    if is_stored(old):
         return quantize(x, signed=signed, scale=None if peak is x else block_scale(peak))
     return x.to(old.dtype)
 

@@ -6,7 +6,10 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import HYPERPARAM_RULES, FusedStep, GradientTransformation, ShardContext
+from .protocol import GradientTransformation
+from .context import ShardContext
+from .fused import FusedStep
+from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar
 from .validate import check_number
 

@@ -32,9 +32,13 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import HYPERPARAM_RULES, GradientTransformation, ShardContext, chain, leaf_paths
+from .protocol import GradientTransformation
+from .combine import chain
+from .context import ShardContext
+from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
+from .tree import leaf_paths
 from .validate import check_count, check_number
 
 __all__ = ["ScaleByMuonState", "NS_COEFFICIENTS", "ADJUST_LR_FNS", "newton_schulz", "adjusted_ratio", "scale_by_muon",

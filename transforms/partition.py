@@ -13,7 +13,9 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import optree
 
-from .base import GradientTransformation, ShardContext, leaf_paths
+from .protocol import GradientTransformation
+from .context import ShardContext
+from .tree import leaf_paths
 
 __all__ = ["PartitionState", "partition"]
 

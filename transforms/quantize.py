@@ -25,6 +25,13 @@ docs/numerics.md, "8-bit moments", and ``benchmarks/quantization.py``.
 ``BLOCK`` divides every caller's chunks and shards: a flat shard under fzero's engine is a whole
 number of blocks (``GradientTransformation.block``); a tensor of another size (a leaf in plain
 use) has a last, partial block, zero-padded for the scale.
+
+A ``Quantized`` moment carries its own rules, so that no caller needs to know its layout: a
+caller finds it with ``is_stored`` (optree's ``is_leaf``) and asks it for its flat length
+(``numel``), a slice of the shard (``shard``: codes and their blocks' scales together), its FP32
+value (``value``), FP32 values stored in its form (``stored``, or ``store_`` in place), and the
+leaf a checkpoint holds for it (``saved``, and back: ``loaded``). It stays a pytree node of two
+leaves, ``codes`` then ``scale``, the tensors a compiled step and a state see.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["BLOCK", "Quantized", "quantize", "dequantize", "block_scale", "zeros", "numel_blocks"]
+__all__ = ["BLOCK", "Quantized", "is_stored", "quantize", "dequantize", "block_scale", "zeros", "numel_blocks"]
 
 BLOCK = 256  # elements per scale: 4 B of scale per 256 B of codes, 1.016 bytes per element
 _SIGNED_LEVELS, _UNSIGNED_LEVELS = 127, 256
@@ -45,6 +52,63 @@ class Quantized(NamedTuple):
 
     codes: torch.Tensor
     scale: torch.Tensor
+
+    @property
+    def signed(self) -> bool:
+        """Whether the codes are on the signed map (the first moment's) rather than the non-negative one."""
+        return self.codes.dtype == torch.int8
+
+    def numel(self) -> int:
+        """Elements of the moment (of ``codes``, flattened)."""
+        return self.codes.numel()
+
+    def shard(self, lo: int, hi: int) -> "Quantized":
+        """Elements ``[lo:hi]`` of the flattened moment: its codes ``[hi - lo]`` and the scales
+        of their blocks ``[lo / BLOCK : ceil(hi / BLOCK)]``, views of this moment's tensors
+        (writing them writes it). ``lo`` a block edge, ``hi`` a block edge or ``numel()``,
+        else ``ValueError``: a block's scale belongs to all of its elements."""
+        n = self.numel()
+        if not (0 <= lo <= hi <= n and lo % BLOCK == 0 and (hi % BLOCK == 0 or hi == n)):
+            raise ValueError(f"Quantized.shard({lo}, {hi}) of {n} elements: 8-bit moments keep one scale per "
+                             f"{BLOCK} elements, so a slice starts at a multiple of {BLOCK} and ends at one or at {n}")
+        return Quantized(self.codes.view(-1)[lo:hi], self.scale[lo // BLOCK: numel_blocks(hi)])
+
+    def value(self) -> torch.Tensor:
+        """The FP32 moment, shaped like ``codes`` (``dequantize``)."""
+        return dequantize(self)
+
+    def stored(self, x: torch.Tensor, *, peak: torch.Tensor | None = None) -> "Quantized":
+        """FP32 ``x`` (``value()``'s shape) in this moment's form, new tensors: quantized on its map
+        (``quantize``), with the block scales of ``peak`` when given (the same values as ``x``,
+        computed again: see ``quantize``'s ``scale``)."""
+        return quantize(x, signed=self.signed, scale=None if peak is None else block_scale(peak))
+
+    def store_(self, x: torch.Tensor) -> "Quantized":
+        """``stored(x)`` written into this moment's own tensors (a ``shard`` writes into the
+        whole moment); returns ``self``."""
+        new = self.stored(x)
+        self.codes.copy_(new.codes)
+        self.scale.copy_(new.scale)
+        return self
+
+    def saved(self) -> torch.Tensor:
+        """The one leaf a checkpoint holds for this moment: its FP32 value, shaped like it. Codes
+        and scales follow the saving engine's blocks; the value is elementwise, so an ``[S]``
+        shard's maps to global coordinates ``[N]`` like any other ``[S]`` leaf and loads at any
+        world size and in any moment dtype."""
+        return self.value()
+
+    def loaded(self, saved: torch.Tensor) -> "Quantized":
+        """A checkpoint's leaf (``saved()`` of this moment's elements, possibly from another
+        layout or dtype, as FP32) in this moment's form: quantized on its map into its blocks.
+        ``loaded(saved())`` gives back the same codes and scales."""
+        return self.stored(saved)
+
+
+def is_stored(x) -> bool:
+    """Whether ``x`` is a state node that stores a moment in a form of its own (``Quantized``)
+    and carries its rules (module doc); use it as optree's ``is_leaf`` to meet such a node whole."""
+    return isinstance(x, Quantized)
 
 
 def numel_blocks(numel: int) -> int:

@@ -16,8 +16,8 @@ def scalar(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
     Exactly ``x.to(dtype)``. The detour through a 16-element sum is for ``torch.compile``:
     inductor inlines 0-d pointwise math into its consumers, so a bias correction
-    (``float64`` pow, sqrt) would be recomputed for every element of an ``[S]`` kernel (5x
-    slower on CPU); a reduction of more than 8 elements is always materialized first."""
+    (``float64`` pow, sqrt) would be recomputed for every element of an ``[S]`` kernel (many
+    times slower on CPU, docs/performance.md); a reduction of more than 8 elements is always materialized first."""
     x = x.to(dtype).reshape(1)
     return torch.cat([x, x.new_zeros(15)]).sum()
 

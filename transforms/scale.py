@@ -6,7 +6,10 @@ from typing import Callable, NamedTuple
 import optree
 import torch
 
-from .base import HYPERPARAM_RULES, GradientTransformation, ShardContext, masked
+from .protocol import GradientTransformation
+from .combine import masked
+from .context import ShardContext
+from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar, zero_count
 from .validate import check_number
 

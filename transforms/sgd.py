@@ -6,7 +6,10 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .base import HYPERPARAM_RULES, GradientTransformation, ShardContext, chain
+from .protocol import GradientTransformation
+from .combine import chain
+from .context import ShardContext
+from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar
 from .scale import add_decayed_weights, scale_by_learning_rate
 from .validate import check_number

@@ -58,9 +58,11 @@ from typing import Any, Callable
 
 import torch
 
+from fzero.transforms.tree import leaf_paths
+
 from .. import lineage
 from ..engine import Engine, ZeroState, cast_params
-from ..flat import leaf_paths, unflatten
+from ..flat import unflatten
 from ..scaler import LossScaleState
 from . import commit, files, lock, manifest, reshard
 from .collective import agree, ready

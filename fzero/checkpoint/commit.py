@@ -72,13 +72,14 @@ from typing import Callable
 
 from ..flat import concat
 from . import files, lock
+from .durable import file_sha256, fsync_dir, write_atomic
 from .lock import LOCK
 from .manifest import FORMAT, MANIFEST, SHA256, validate_manifest
 from .strict_json import VERSION, CheckpointError, Fields, check_header, dump_json, parse_json
 
 __all__ = [
-    "POINTER", "MARKER", "MARKER_FORMAT", "SNAPSHOT", "save_file", "no_hook", "need_safetensors", "fsync_dir",
-    "file_sha256", "read_pointer", "write_pointer", "read_marker", "write_marker", "resolve", "complete_snapshots",
+    "POINTER", "MARKER", "MARKER_FORMAT", "SNAPSHOT", "save_file", "no_hook", "need_safetensors",
+    "read_pointer", "write_pointer", "read_marker", "write_marker", "resolve", "complete_snapshots",
     "recorded_snapshots", "check_entries", "remove_snapshot", "begin", "write_shard", "write_manifest", "commit_snapshot",
 ]
 
@@ -105,52 +106,6 @@ def need_safetensors() -> None:
         raise ImportError("fzero.checkpoint needs the safetensors package: pip install safetensors")
 
 
-# ---------------------------------------------------------------------------------- files
-def fsync_dir(path: str) -> None:
-    """fsync the directory ``path`` (so a rename or a new file in it is durable); best effort."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def file_sha256(path: str, *, fsync: bool = False) -> tuple[str, int]:
-    """``(sha256 hex, size)`` of the regular file ``path`` (not a symlink:
-    :func:`fzero.checkpoint.files.open_regular`); with ``fsync``, fsynced first."""
-    h = hashlib.sha256()
-    size = 0
-    with os.fdopen(files.open_regular(path), "rb") as f:
-        if fsync:
-            os.fsync(f.fileno())
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
-
-
-def _write_atomic(directory: str, name: str, data: bytes, hook: Callable = no_hook, point: str | None = None) -> None:
-    """Replace ``directory/name`` (a regular file, or nothing) by ``data`` atomically: create
-    ``.<name>.tmp-<id>``, fsync it, ``os.replace`` it onto ``name``, fsync the directory."""
-    tmp, file = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}"), os.path.join(directory, name)
-    try:
-        files.write_new(tmp, data)
-        if point is not None:
-            hook(point, file=tmp)
-        files.check_entry(file)  # checked before any change too; again here, at the replace
-        os.replace(tmp, file)
-    except Exception:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
-    fsync_dir(directory)
-
-
 # ---------------------------------------------------------------------------------- pointer and marker
 def _read_small_json(file: str, kind: str, format: str) -> tuple[dict, Fields]:
     obj = parse_json(files.read_file(file), file)
@@ -167,7 +122,7 @@ def read_pointer(path: str) -> tuple[str, str]:
 def write_pointer(path: str, snapshot: str, digest: str, hook: Callable) -> None:
     """Point ``path/current.json`` at ``snapshot`` (its manifest's sha256: ``digest``), atomically."""
     data = dump_json({"format": FORMAT, "version": VERSION, "snapshot": snapshot, "manifest_sha256": digest})
-    _write_atomic(path, POINTER, data, hook, "pointer_written")
+    write_atomic(path, POINTER, data, hook, "pointer_written")
 
 
 def read_marker(path: str) -> list[str]:
@@ -179,7 +134,7 @@ def read_marker(path: str) -> list[str]:
 
 def write_marker(path: str, snapshots: list[str]) -> None:
     """Record ``snapshots`` in ``path/fzero-checkpoint.json``, atomically."""
-    _write_atomic(path, MARKER, dump_json({"format": MARKER_FORMAT, "version": VERSION, "snapshots": snapshots}))
+    write_atomic(path, MARKER, dump_json({"format": MARKER_FORMAT, "version": VERSION, "snapshots": snapshots}))
 
 
 def resolve(path: str) -> tuple[str, str]:

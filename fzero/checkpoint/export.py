@@ -9,10 +9,13 @@ import uuid
 import optree
 import torch
 
+from fzero.transforms.tree import leaf_paths
+
 from .. import lineage
 from ..engine import Engine, ZeroState
-from ..flat import Layout, leaf_paths, unflatten
-from . import commit
+from ..flat import unflatten
+from ..layout import Layout
+from . import commit, durable
 from .collective import agree, ready
 from .form import saved_form
 from .strict_json import CheckpointError, dtype_name
@@ -114,12 +117,12 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             commit.save_file(tensors, tmp, metadata=meta)
-            commit.file_sha256(tmp, fsync=True)
+            durable.file_sha256(tmp, fsync=True)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
-        commit.fsync_dir(os.path.dirname(path))
+        durable.fsync_dir(os.path.dirname(path))
         return None
 
     agree(comm, f"export_full {path}", write)

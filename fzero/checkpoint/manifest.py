@@ -22,7 +22,7 @@ every value of the manifest is checked before use (:func:`validate_manifest`): t
 are JSON integers, 0-d values JSON numbers of their dtype, dtypes known names), counts >= 0, the
 loss scale finite and > 0 (and for a ``DynamicLossScale`` engine within its ``[min_scale,
 max_scale]``), the built-in hyperparameters in the ranges their transforms accept
-(``transforms.base.HYPERPARAM_RULES``), ``extra.step``, if any, an integer equal to ``step``. A
+(``transforms.hyperparams.HYPERPARAM_RULES``), ``extra.step``, if any, an integer equal to ``step``. A
 bad value raises ``CheckpointError`` naming the field. ``save`` validates the manifest it is about
 to write the same way; ``extra`` must be strict JSON (no NaN or infinity) nested at most
 ``MAX_DEPTH - 1`` deep.
@@ -37,9 +37,9 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.transforms.base import HYPERPARAM_RULES
+from fzero.transforms.hyperparams import HYPERPARAM_RULES
 
-from ..flat import Layout
+from ..layout import Layout
 from ..scaler import LossScaleState
 from .strict_json import (
     DTYPES, MAX_DEPTH, VERSION, CheckpointError, Fields, check_header, dtype_name, json_value, nested_too_deep, non_finite,

@@ -33,9 +33,10 @@ import os
 import torch
 
 from fzero.transforms import iter_hyperparams, with_host_value
-from fzero.transforms.base import MaskedState, named_tuples
+from fzero.transforms.combine import MaskedState
+from fzero.transforms.tree import named_tuples
 
-from ..flat import Layout
+from ..layout import Layout
 from ..scaler import DynamicLossScale, LossScaleState
 from .snapshot import Template, check_shard, vanished
 from .form import converts

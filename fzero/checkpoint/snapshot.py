@@ -20,11 +20,14 @@ import hashlib
 import os
 from typing import Any, NamedTuple
 
+from fzero.transforms.tree import leaf_paths
+
 from ..engine import ZeroState
-from ..flat import Layout, leaf_paths
+from ..layout import Layout
 from ..scaler import DynamicLossScale, LossScaleState
 from . import files
-from .commit import POINTER, file_sha256, read_pointer
+from .commit import POINTER, read_pointer
+from .durable import file_sha256
 from .form import converts, saved_form
 from .manifest import MANIFEST, classify, validate_manifest
 from .strict_json import CheckpointError, Fields, dtype_name, parse_json

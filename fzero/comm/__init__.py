@@ -8,11 +8,14 @@ of them (``zero1(group=...)``), and so can a test's recording subclass. The tens
 are torch's functional collectives, traced into the compiled step; a ``Comm`` calls them through
 a public table (``collectives``: on gloo, reduce-scatter and all-gather built from all-reduce and
 broadcasts, which gloo runs faster) that a test or benchmark may wrap to count or log them.
-``teardown`` ends the process's use of torch.distributed (``fzero.shutdown``).
+``arrival`` checks, through the process group's store, that every rank reached the same
+collective fzero call off the hot path; ``errors`` holds what all of them raise
+(``CollectiveError``). ``teardown`` ends the process's use of torch.distributed (``fzero.shutdown``).
 """
 from .teardown import shutdown  # first: it imports torch._dynamo before any process group exists (see there)
-from .collectives import FUNCTIONAL, CollectiveError, Collectives
+from .collectives import FUNCTIONAL, Collectives
 from .communicator import Communicator, predivide_factor
+from .errors import CollectiveError
 from .group import Comm, resolve_group
 from .hybrid import HybridComm, comm_of_mesh
 from .simulated import SimulatedComm

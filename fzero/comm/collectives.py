@@ -15,14 +15,10 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from ..mode import compiling
+from ..tracing import compiling
 
-__all__ = ["Collectives", "FUNCTIONAL", "CollectiveError", "all_reduce_in_place", "broadcast_in_place", "completed",
+__all__ = ["Collectives", "FUNCTIONAL", "all_reduce_in_place", "broadcast_in_place", "completed",
            "for_backend", "over_all_reduce"]
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed (a peer died, timed out, or disagreed); names the collective and rank."""
 
 
 class Collectives(NamedTuple):
@@ -124,8 +120,7 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
       instead of the ring's.
 
     Why: gloo's own reduce-scatter and all-gather take longer than these on the same bytes
-    (1.21x and 1.18x for a 41 MiB FP32 bucket on 2 ranks, ``benchmarks/collectives.py``;
-    docs/communication.md). Same results: every rank's slice of one sum that all ranks receive
+    (``benchmarks/collectives.py``; the figures: docs/communication.md). Same results: every rank's slice of one sum that all ranks receive
     alike (a ring all-reduce hands each rank the same bits), and a broadcast copies bits.
     ``dim`` must be 0 (a flat bucket)."""
 

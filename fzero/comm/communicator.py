@@ -17,8 +17,9 @@ from typing import ClassVar
 
 import torch
 
-from .. import arrival
-from ..flat import Layout, concat, split_buckets, tree_shard
+from ..flat import concat, split_buckets, tree_shard
+from ..layout import Layout
+from .errors import ranks_text
 
 __all__ = ["Communicator", "predivide_factor"]
 
@@ -146,6 +147,6 @@ class Communicator:
             for rank, t in enumerate(tables):
                 ranks_of.setdefault(t.get(key, "absent"), []).append(rank)
             if len(ranks_of) > 1:
-                diffs.append(f"{key} is " + " but ".join(f"{v} on {arrival.ranks_text(r)}" for v, r in ranks_of.items()))
+                diffs.append(f"{key} is " + " but ".join(f"{v} on {ranks_text(r)}" for v, r in ranks_of.items()))
         more = f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""
         raise ValueError(f"{what} differs across ranks: " + "; ".join(diffs[:4]) + more)

@@ -15,11 +15,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import arrival
-from ..flat import Layout
-from ..mode import compiling
-from .collectives import FUNCTIONAL, CollectiveError, Collectives, completed, for_backend
+from ..layout import Layout
+from ..tracing import compiling
+from . import arrival
+from .collectives import FUNCTIONAL, Collectives, completed, for_backend
 from .communicator import Communicator
+from .errors import CollectiveError
 from .teardown import shutdown_at_exit
 
 __all__ = ["Comm", "resolve_group", "name_of", "group_named"]
@@ -81,7 +82,7 @@ class Comm(Communicator):
 
     def arrive(self, what: str, *, timeout: float) -> None:
         """Every rank reaches the collective call ``what`` within ``timeout`` seconds, or every
-        waiting rank raises naming the missing ones (``fzero.arrival``). Off the hot path."""
+        waiting rank raises naming the missing ones (``fzero.comm.arrival``). Off the hot path."""
         if self.world_size > 1:
             arrival.arrive(self.group, what, timeout=timeout)
 

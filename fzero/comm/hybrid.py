@@ -11,8 +11,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import arrival
-from ..flat import Layout
+from ..layout import Layout
+from . import arrival
 from .collectives import Collectives, for_backend
 from .group import Comm, group_named, name_of
 from .teardown import shutdown_at_exit

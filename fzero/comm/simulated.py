@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from ..flat import Layout
+from ..layout import Layout
 from .communicator import Communicator
 
 __all__ = ["SimulatedComm"]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 _IMPORTED_AFTER_GROUP = "torch._dynamo" not in sys.modules and dist.is_available() and dist.is_initialized()
 import torch._dynamo  # noqa: E402,F401 -- before any process group exists: see the module docstring
 
-from .. import arrival  # noqa: E402
+from . import arrival  # noqa: E402
 
 __all__ = ["shutdown", "shutdown_at_exit"]
 
@@ -41,7 +41,7 @@ def shutdown_at_exit() -> None:
 
 def shutdown(*, barrier: bool = True, at_exit: bool = False, timeout: float = 60.0) -> None:
     """End this process's use of torch.distributed: wait for every rank (``barrier``, at most
-    ``timeout`` seconds for the last one to arrive, see ``fzero.arrival``), then
+    ``timeout`` seconds for the last one to arrive, see ``fzero.comm.arrival``), then
     ``destroy_process_group()`` and check that the backend is really gone.
 
     Called while an exception propagates (``try: main() finally: fzero.shutdown()``), it waits

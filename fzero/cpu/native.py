@@ -59,7 +59,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .flat import check_in_buffer
+from ..memory import check_in_buffer
 
 __all__ = ["available", "adamw_update", "sum_of_squares", "COEFFICIENTS"]
 
@@ -186,7 +186,7 @@ def _whole(files: _Files) -> bool:
     why = ("no record of it" if not isinstance(want, dict) else
            f"{got['size']} bytes where {want.get('size')} were built" if got["size"] != want.get("size") else
            "its sha256 differs from the built one's")
-    warnings.warn(f"fzero.native: the cached CPU kernels {files.library} are damaged ({why}); rebuilding them",
+    warnings.warn(f"fzero.cpu.native: the cached CPU kernels {files.library} are damaged ({why}); rebuilding them",
                   RuntimeWarning, stacklevel=4)
     return False
 
@@ -231,10 +231,10 @@ def _module():
             else:
                 _build(files)
     except _Busy as e:
-        warnings.warn(f"fzero.native: {e}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"fzero.cpu.native: {e}", RuntimeWarning, stacklevel=3)
         return None
     except Exception as e:  # no compiler, one that rejects the flags, no source, an unwritable cache
-        warnings.warn(f"fzero.native: the CPU kernels could not be built or loaded ({type(e).__name__}: {e}); "
+        warnings.warn(f"fzero.cpu.native: the CPU kernels could not be built or loaded ({type(e).__name__}: {e}); "
                       f"{_FALLBACK}", RuntimeWarning, stacklevel=3)
         return None
     return torch.ops.fzero_native
@@ -242,7 +242,7 @@ def _module():
 
 def available(device: torch.device) -> bool:
     """Whether the kernel runs for state on ``device``: a CPU, the extension built (at the first
-    call: some 10 s on a 2-core CPU, once per machine and torch version)."""
+    call, a compiler's run: once per machine and torch version)."""
     return device.type == "cpu" and _module() is not None
 
 
@@ -264,9 +264,9 @@ def adamw_update(grads: list[torch.Tensor], starts: list[int], coefficients: tor
 def _adamw_update_op(grads: list[torch.Tensor], starts: list[int], coefficients: torch.Tensor,
                      mean_factor: torch.Tensor, skip: torch.Tensor, master: torch.Tensor, m: torch.Tensor,
                      v: torch.Tensor, params: Optional[torch.Tensor], cast_on_skip: bool) -> None:
-    """``adamw_update`` as an op a traced step keeps whole (``fzero.update.native_update``;
+    """``adamw_update`` as an op a traced step keeps whole (``fzero.cpu.kernel.native_update``;
     ``params`` and, where the params are the master, ``master`` 1-D, or ``[S, 1]`` compiled from
-    a grads pytree, ``stages.cast_target``)."""
+    a grads pytree, ``fzero.cast.IntoLeaves``)."""
     adamw_update(grads, starts, coefficients, mean_factor, skip, master.view(-1), m, v,
                  None if params is None else params.view(-1), cast_on_skip=cast_on_skip)
 
@@ -279,7 +279,7 @@ def _(grads, starts, coefficients, mean_factor, skip, master, m, v, params, cast
 @torch.library.custom_op("fzero::views_checked", mutates_args=())
 def views_checked(buffer: torch.Tensor, leaves: list[torch.Tensor], offsets: list[int]) -> torch.Tensor:
     """A 0-d ``False`` once ``leaves`` are checked to be views of ``buffer`` (``[S, 1]``,
-    ``stages.cast_target``) at ``offsets`` (``fzero.flat.check_in_buffer``, which raises). A
+    ``fzero.cast.IntoLeaves``) at ``offsets`` (``fzero.memory.check_in_buffer``, which raises). A
     traced step ORs it into its skip flag, so that everything the step writes (the kernel's
     update, the state's new counts) depends on it and runs after the check."""
     check_in_buffer(buffer.view(-1), leaves, offsets)

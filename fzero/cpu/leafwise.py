@@ -4,11 +4,11 @@ Compiled from a grads pytree at world size 1 on a CPU, for ``MIN_NUMEL`` element
 leaves of ``MIN_MEAN_NUMEL`` or more on average (``worthwhile``: the host time per leaf this
 takes would not be repaid by small leaves or a small model, nor hidden by a GPU's kernels), or
 for ``NATIVE_MIN_NUMEL`` elements whatever the leaves where fzero's own CPU kernel runs the
-donated update (``native_runs``: the step then calls it as on the flat buffer, one call over the
-grad leaves as they lie, ``fzero.update.native_update``; this module's op is the other
-transforms' path and the pure step's), the update reads each grad leaf and writes each leaf's
-slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers the
-leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never fuses into the
+donated update (``fzero.cpu.kernel.native_runs``: the step then calls it as on the flat buffer,
+one call over the grad leaves as they lie, ``fzero.cpu.kernel.Native``; this module's op is the
+other transforms' path and the pure step's), the update reads each grad leaf and writes each
+leaf's slice of the flat FP32 state. Inside one graph neither is cheap on a CPU: inductor lowers
+the leaves' concatenation to a copy into a new buffer (its CPU ``cat`` never fuses into the
 consumer), and a write into a slice of a graph input becomes, after functionalization, one
 masked pass over the whole state per leaf. So the step hands the update to a custom op, which
 the traced graph keeps whole:
@@ -17,82 +17,65 @@ the params' flat buffer; ``fzero::updated_leaves`` (the pure step) returns new o
 written once. Its body cuts each leaf's slices outside any graph and passes them, each an input
 of its own, to graphs compiled at the first step (``torch.compile`` of ``_update_leaves``): one
 loop per leaf, reading the grad leaf and writing master, moments and params, as the eager step's
-compiled chunks do (``fzero.update.compiled_chunks``). The leaves go in groups of at most
+compiled chunks do (``fzero.cpu.chunked.compiled_chunks``). The leaves go in groups of at most
 ``GROUP``, each group a call of one graph with dynamic sizes: a model of hundreds of leaves
-compiles a graph or two of ``GROUP`` loops, not one loop per leaf in one graph (200 leaves on a
-2-core CPU: the first step 83 s against 347 s, ``benchmarks/step.py``).
+compiles a graph or two of ``GROUP`` loops, not one loop per leaf in one graph, which took
+several times as long to compile (``benchmarks/step.py``, docs/performance.md).
 
 A custom op's schema carries tensors and numbers; the transform and its state's structure reach
 the body through ``LeafUpdate.key``, the entry each engine makes in ``_UPDATES`` at ``init`` (a
 weak dictionary: an engine's entry goes with its ``LeafUpdate``).
+
+The thresholds below come from paired runs against fused AdamW (``benchmarks/step.py``,
+``benchmarks/leafwise.py``; the figures in docs/performance.md and benchmarks/results/).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from .flat import check_in_buffer
-from .grads import Segments
-from .update import _own_compile, _update_into, native_fused
+from ..cast import IntoLeaves
+from ..grad_forms import Segments
+from ..memory import check_in_buffer
+from ..update import own_compile, update_into
 
 try:  # torch >= 2.5: a pass with a uuid keeps inductor's graph cache on
     from torch._inductor.custom_graph_pass import CustomGraphPass
 except ImportError:  # pragma: no cover
     CustomGraphPass = object
 
-__all__ = ["LeafUpdate", "GROUP", "MIN_MEAN_NUMEL", "MIN_NUMEL", "NATIVE_MIN_NUMEL", "worthwhile", "native_runs"]
+__all__ = ["LeafUpdate", "CompiledLeaves", "GROUP", "MIN_MEAN_NUMEL", "MIN_NUMEL", "NATIVE_MIN_NUMEL", "worthwhile"]
 
 GROUP = 16  # leaves per call of a compiled graph: compile time grows with it, per-call overhead shrinks
-# The mean elements per leaf from which a CPU runs the update leaf by leaf (``Engine._leafwise``):
-# its host time per leaf against the step graph's concatenation and new buffers, per element.
-# ``benchmarks/step.py``, 2-core CPU, paired against fused AdamW, leaf by leaf / in the step's
-# graph: 148 leaves of 1024 elements 12.6x / 0.97x, 200 of 3e4 3.19x / 1.59x, 200 of 1e5
-# 2.01x / 2.87x (docs/performance.md).
+# The mean elements per leaf from which a CPU runs the update leaf by leaf: its host time per
+# leaf against the step graph's concatenation and new buffers, per element.
 MIN_MEAN_NUMEL = 2**16
 # The elements from which it does, whatever the mean: below, the step's graph cost little more
-# than the flat buffer in the runs below (there its concatenation of 2-byte grads is under
-# glibc's largest mmap threshold, 32 MiB, and comes back warm from the heap).
-# ``benchmarks/step.py --gpt small`` (the main job's GPT, 1.1e7 elements in 76 leaves, 1.4e5 on
-# average), paired against fused AdamW, leaf by leaf / in the step's graph: BF16
-# 3.48x / 1.76x, FP16 2.61x / 1.61x, the first call 83-87 s / 18-24 s; 200 leaves of 1e5 (2e7
-# elements): 3.14x / 4.14x (docs/performance.md).
+# than the flat buffer (there its concatenation of 2-byte grads is under glibc's largest mmap
+# threshold, 32 MiB, and comes back warm from the heap).
 MIN_NUMEL = 2**24
-# Where fzero's own CPU kernel runs the update (``native_runs``, donated: the pure step runs
-# inductor's loops), the step calls it once over all the grad leaves where they lie
-# (``fzero.update.native_update``): no host time per leaf, so no mean size; what is left is the
-# step's own work per leaf (its checks of the leaves, dynamo's guards). The elements from which it
-# pays: an FP32 buffer of the shard above glibc's largest mmap threshold (32 MiB), which the
-# step's graph may then get as fresh pages every step.
-# ``benchmarks/leafwise.py`` (``fzero.models.gpt``, 76 leaves, widths 128-384), paired, leaf by
-# leaf / in the step's graph: BF16 0.89-0.99 at 1.2e6-4.8e6 elements, 0.44-0.89 from 7.5e6; FP16
-# 0.77-0.95 and 0.62-0.92 (docs/performance.md, with the runs of the kernel called from this
-# module's op, which it took more elements to repay).
+# Where fzero's own CPU kernel runs the update (donated: the pure step runs inductor's loops), the
+# step calls it once over all the grad leaves where they lie (``fzero.cpu.kernel.Native``): no
+# host time per leaf, so no mean size; what is left is the step's own work per leaf (its checks
+# of the leaves, dynamo's guards). The elements from which it pays: an FP32 buffer of the shard
+# above glibc's largest mmap threshold (32 MiB), which the step's graph may then get as fresh
+# pages every step.
 NATIVE_MIN_NUMEL = 2**23
 
 
 def worthwhile(numel: int, leaves: int, *, native: bool = False) -> bool:
     """Whether a CPU's compiled step runs the update of ``leaves`` leaves of ``numel`` elements in
-    all leaf by leaf (``Engine._leafwise`` adds what the path needs of the engine); ``native``:
-    fzero's own CPU kernel runs it (``native_runs``)."""
+    all leaf by leaf (``fzero.plan`` adds what the path needs of the engine); ``native``:
+    fzero's own CPU kernel runs it (``fzero.cpu.kernel.native_runs``)."""
     if native:
         return numel >= NATIVE_MIN_NUMEL
     return numel >= MIN_NUMEL and numel >= MIN_MEAN_NUMEL * leaves
-
-
-def native_runs(tx, tx_state: Any, numel: int, param_dtype: torch.dtype) -> bool:
-    """Whether fzero's own CPU kernel runs the update of ``tx`` leaf by leaf (as it runs on the
-    shard) on ``tx_state`` of ``[numel]`` tensors for params and grads of ``param_dtype``:
-    ``fzero.update.native_fused`` asked once, before the first step, with a grad of that dtype
-    (it decides from the transform and the state's dtypes and shapes, not from values)."""
-    probe = [torch.zeros(1, dtype=param_dtype)]
-    skip, norm = torch.zeros((), dtype=torch.bool), torch.ones((), dtype=torch.float64)
-    return native_fused(tx, tx_state, probe, numel, skip, norm, param_dtype) is not None
 
 
 _UPDATES: "weakref.WeakValueDictionary[int, LeafUpdate]" = weakref.WeakValueDictionary()
@@ -117,7 +100,7 @@ class LeafUpdate:
         """The update of the ``[S]`` shard (the whole buffer at world size 1). ``into``:
         ``(params, leaves, offsets)`` with ``donate``: ``master`` and ``tx_state``'s ``[S]``
         tensors are written in place and the params cast into ``params``, their flat buffer
-        (as an ``[S, 1]`` view, ``stages.cast_target``) whose views the param ``leaves`` must
+        (as an ``[S, 1]`` view, ``fzero.cast.IntoLeaves``) whose views the param ``leaves`` must
         be, at ``offsets`` (checked before anything
         is written: ``check_in_buffer``); ``None`` for the pure step: new tensors, the inputs
         untouched. ``grads * mean_factor`` is the FP32 mean unscaled grads
@@ -140,10 +123,10 @@ class LeafUpdate:
     def compiled(self, kind: tuple):
         """``_update_leaves`` compiled for groups of one ``kind`` (``_groups``: the number of
         pieces, their grads' dtype, whether each holds one element), with dynamic sizes and
-        offsets. Each kind has a code object of its own (``_own_compile``): a graph each, none a
+        offsets. Each kind has a code object of its own (``own_compile``): a graph each, none a
         recompile of another (which ``error_on_recompile`` would turn into an error)."""
         if kind not in self._compiled:
-            self._compiled[kind] = _own_compile(_update_leaves, dynamic=True,
+            self._compiled[kind] = own_compile(_update_leaves, dynamic=True,
                                                 options={"post_grad_custom_pre_pass": _SharedScalars()})
         return self._compiled[kind]
 
@@ -184,7 +167,7 @@ class _SharedScalars(CustomGraphPass):
                 seen[key] = node
 
     def uuid(self) -> str:
-        return "fzero.leafwise._SharedScalars.2"
+        return "fzero.cpu.leafwise._SharedScalars.2"
 
 
 def _written(node: torch.fx.Node) -> bool:
@@ -199,15 +182,15 @@ def _written(node: torch.fx.Node) -> bool:
 
 
 def _update_leaves(tx, grads, mean_factor, ins, params, skip, norm, param_dtype, outs=None):
-    """``_update_into`` of each piece: ``grads[i]`` (1-D, any float dtype) times
+    """``update_into`` of each piece: ``grads[i]`` (1-D, any float dtype) times
     ``mean_factor`` on ``ins[i] = (master, tx_state)``, slices of the state, written into
     ``outs[i]`` (slices of new tensors; ``None``: into ``ins[i]``, in place), the params cast
     into ``params[i]``. Returns the new state's 0-d leaves (every piece computes the same ones)."""
     norm = norm.reshape(())  # the 0-d norm, given as [1] (see ``_run``)
     scalars = []
     for g, (master, tx_state), out, p in zip(grads, ins, ins if outs is None else outs, params):
-        scalars = _update_into(tx, g.float() * mean_factor, master, tx_state, skip, norm, param_dtype,
-                               (*out, p))
+        scalars = update_into(tx, g.float() * mean_factor, master, tx_state, skip, norm, param_dtype,
+                               (*out, p), traced=True)
     return scalars
 
 
@@ -275,7 +258,7 @@ def _update_leaves_op(key: int, master: torch.Tensor, state: list[torch.Tensor],
                       norm: torch.Tensor, params: torch.Tensor, param_leaves: list[torch.Tensor], offsets: list[int],
                       new_scalars: list[torch.Tensor]) -> None:
     """The donated update (``_run``) in place: ``master``, ``state`` and ``params`` (``[S, 1]``,
-    see ``stages.cast_target``) written; ``param_leaves`` must be views of ``params`` at
+    see ``fzero.cast.IntoLeaves``) written; ``param_leaves`` must be views of ``params`` at
     ``offsets`` (``check_in_buffer``). ``scalars``: the state's 0-d leaves, read;
     ``new_scalars``: written with their new values (a custom op that mutates its inputs cannot
     also return a list)."""
@@ -309,3 +292,17 @@ def _(key, master, state, scalars, grads, starts, mean_factor, skip, norm, param
     # to engine dynamic; nothing of the engine is needed for the shapes)
     return [torch.empty_like(master), *[torch.empty_like(x) for x in state], *[torch.empty_like(x) for x in scalars],
             master.new_empty(master.numel(), dtype=param_dtype)]
+
+
+class CompiledLeaves(NamedTuple):
+    """The compiled step from a grads pytree at world size 1: the update as one opaque op that
+    runs a compiled loop per grad leaf, reading each where it is (``leaves``, the engine's
+    ``LeafUpdate``). ``into``: donated, master and moments written in place and the params cast
+    into their own buffer; ``None``: pure, into new tensors, each written once. The grads' mean is
+    taken as ``ShardGrads.mean`` takes it."""
+
+    leaves: LeafUpdate
+    into: IntoLeaves | None = None
+
+    def run(self, tx, grads, master, tx_state, skip, norm):
+        return self.leaves(grads.segments(), grads.mean_factor, master, tx_state, skip, norm, self.into)

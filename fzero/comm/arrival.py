@@ -25,7 +25,9 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["arrive", "elsewhere", "report_failure", "reset", "ranks_text"]
+from .errors import CollectiveError, ranks_text
+
+__all__ = ["arrive", "elsewhere", "report_failure", "reset"]
 
 _arrivals: dict[str, int] = {}  # group name -> arrivals this process made in it (off the hot path)
 _PREFIX = "fzero/arrive"
@@ -42,18 +44,10 @@ def _keys(group: str, n: int):
     return base, (lambda rank: f"{base}/rank{rank}")
 
 
-def ranks_text(ranks) -> str:
-    """``"rank 3"`` or ``"ranks 0, 2"``: how every fzero error names ranks."""
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
 def arrive(group: str, what: str, *, timeout: float) -> None:
     """Wait until every rank of process group ``group`` (a name) has made its matching
     arrival, in the call ``what``; ``CollectiveError`` on every waiting rank otherwise (module doc).
     Ranks are named by their global rank."""
-    from .comm import CollectiveError
-
     pg = dist.distributed_c10d._resolve_process_group(group)
     ranks, me = dist.get_process_group_ranks(pg), dist.get_rank()
     n = _arrivals[group] = _arrivals.get(group, 0) + 1

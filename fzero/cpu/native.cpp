@@ -1,7 +1,7 @@
-// fzero's own CPU kernels (fzero/native.py says what they compute and why; it builds this file
-// with torch.utils.cpp_extension at the first use).
+// fzero's own CPU kernels (fzero/cpu/native.py says what they compute and why; it builds this
+// file with torch.utils.cpp_extension at the first use).
 // torch/library.h and ATen/core, not torch/extension.h: no pybind11 and not all of torch's C++ API,
-// a build in a fifth of the time (some 6 s of headers against 28 s on a 2-core CPU).
+// whose headers are most of a build's time.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/scalar_tensor.h>
@@ -126,7 +126,7 @@ void dispatch_grads(int G, const void* g, float* w, float* m, float* v, void* p,
 int kind(const at::Tensor& t) {
   if (t.scalar_type() == at::kHalf) return 1;
   if (t.scalar_type() == at::kFloat) return 3;
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "fzero.native: FP16, BF16 or FP32 expected, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "fzero.cpu.native: FP16, BF16 or FP32 expected, got ", t.scalar_type());
   return 2;
 }
 
@@ -139,15 +139,15 @@ void adamw_update(std::vector<at::Tensor> grads, std::vector<int64_t> starts, at
   const int64_t S = master.numel();
   for (const auto& t : {master, m, v})
     TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == S && t.device().is_cpu(),
-                "fzero.native: master and moments must be contiguous FP32 CPU tensors of ", S, " elements");
+                "fzero.cpu.native: master and moments must be contiguous FP32 CPU tensors of ", S, " elements");
   int P = 0;
   void* Pp = nullptr;
   if (params.has_value()) {
     TORCH_CHECK(params->is_contiguous() && params->numel() == S && params->device().is_cpu(),
-                "fzero.native: params must be a contiguous CPU tensor of ", S, " elements");
+                "fzero.cpu.native: params must be a contiguous CPU tensor of ", S, " elements");
     P = kind(*params);
     Pp = params->data_ptr();
-    TORCH_CHECK(!(P == 3 && Pp == master.data_ptr()), "fzero.native: FP32 params that are the master: pass none");
+    TORCH_CHECK(!(P == 3 && Pp == master.data_ptr()), "fzero.cpu.native: FP32 params that are the master: pass none");
   }
   auto cf = coef.contiguous().to(at::kFloat);
   const float* k = cf.data_ptr<float>();
@@ -181,7 +181,7 @@ void adamw_update(std::vector<at::Tensor> grads, std::vector<int64_t> starts, at
   };
   for (auto [s, i] : order) {
     const auto& g = grads[i];
-    TORCH_CHECK(g.is_contiguous() && s >= pos && s + g.numel() <= S, "fzero.native: grad piece ", i,
+    TORCH_CHECK(g.is_contiguous() && s >= pos && s + g.numel() <= S, "fzero.cpu.native: grad piece ", i,
                 " (", g.numel(), " elements from ", s, ") overlaps another or lies outside the shard of ", S);
     span(0, nullptr, pos, s - pos);
     span(kind(g), g.data_ptr(), s, g.numel());
@@ -216,13 +216,13 @@ inline const float* as_float(const void* data, int k, int64_t i, int64_t n, floa
 }  // namespace
 
 at::Tensor sum_of_squares(std::vector<at::Tensor> pieces, int64_t row, bool wide) {
-  TORCH_CHECK(row > 0 && row % 16 == 0 && row <= 4096, "fzero.native: a row of ", row, " elements");
+  TORCH_CHECK(row > 0 && row % 16 == 0 && row <= 4096, "fzero.cpu.native: a row of ", row, " elements");
   struct Row { const void* data; int k; int64_t at; };
   std::vector<Row> rows;
   std::vector<float> tails;  // every piece's elements after its last full row, end to end
   for (size_t i = 0; i < pieces.size(); ++i) {
     const auto& t = pieces[i];
-    TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(), "fzero.native: grad piece ", i,
+    TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(), "fzero.cpu.native: grad piece ", i,
                 " must be a contiguous 1-D CPU tensor");
     const int k = t.scalar_type() == at::kFloat ? 0 : kind(t);
     const int64_t n = t.numel(), full = n / row * row;
@@ -246,7 +246,7 @@ at::Tensor sum_of_squares(std::vector<at::Tensor> pieces, int64_t row, bool wide
   return at::scalar_tensor(total, at::TensorOptions().dtype(at::kDouble));
 }
 
-// Called from Python as torch.ops.fzero_native.* (fzero/native.py wraps them in custom ops with
+// Called from Python as torch.ops.fzero_native.* (fzero/cpu/native.py wraps them in custom ops with
 // their fake tensors and mutations).
 TORCH_LIBRARY(fzero_native, m) {
   m.def("adamw_update", &adamw_update);

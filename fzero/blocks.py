@@ -1,0 +1,32 @@
+"""The transform state's tensors of an ``[S]`` shard cut to a slice of it: ``[S]`` tensors
+elementwise, per-block ones (``GradientTransformation.block``: 8-bit moments' scales) by block."""
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["per_block", "sized", "slices"]
+
+
+def per_block(x: Any, S: int, block: int) -> bool:
+    """Whether ``x`` is a per-block state tensor of an ``[S]`` shard: ``[S / block]`` (one value
+    per ``block`` elements, ``GradientTransformation.block``)."""
+    return block > 1 and isinstance(x, torch.Tensor) and x.shape == (S // block,)
+
+
+def sized(x: Any, S: int, block: int) -> bool:
+    """Whether ``x`` is a state tensor the size of the shard: ``[S]``, or per-block."""
+    return isinstance(x, torch.Tensor) and (x.shape == (S,) or per_block(x, S, block))
+
+
+def slices(tree: Any, S: int, block: int, lo: int, hi: int) -> Any:
+    """``tree`` with each ``[S]`` tensor cut to ``[lo:hi]`` and each per-block one to
+    ``[lo/block : hi/block]`` (``lo``, ``hi``: block edges or ``S``); 0-d leaves as they are."""
+    def cut(x):
+        if isinstance(x, torch.Tensor) and x.shape == (S,):
+            return x[lo:hi]
+        return x[lo // block: -(-hi // block)] if per_block(x, S, block) else x
+
+    return optree.tree_map(cut, tree)

@@ -1,0 +1,49 @@
+"""How the step's new params are gathered from every rank's cast shard (``StepPlan.gather``):
+each way a small class with ``run(path, shard, params) -> new params``, ``params`` the door's form
+(``fzero.params_form.ParamsForm``).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .cast import write_into
+from .flat import leaf_views, unflatten
+from .grads import GradPath
+from .params_form import ParamsForm
+
+__all__ = ["NoGather", "GatherInto", "GatherNew"]
+
+
+class NoGather(NamedTuple):
+    """The update cast into the params' own buffer at world size 1: they are the new params."""
+
+    def run(self, path: GradPath, shard: torch.Tensor, params: ParamsForm) -> Any:
+        return params.given
+
+
+class GatherInto(NamedTuple):
+    """Donated, gathered into ``buffer``, the params' own flat buffer (no new buffer)."""
+
+    buffer: torch.Tensor
+
+    def run(self, path: GradPath, shard: torch.Tensor, params: ParamsForm) -> Any:
+        path.comm.all_gather_into(self.buffer, shard.to(path.device, non_blocking=True), path.layout)
+        return params.given
+
+
+class GatherNew(NamedTuple):
+    """Gathered into a new flat buffer, returned as the params came (flat, or a pytree of views
+    of it); ``write``: then written into the given params."""
+
+    write: bool
+
+    def run(self, path: GradPath, shard: torch.Tensor, params: ParamsForm) -> Any:
+        new_params = path.comm.all_gather(shard.to(path.device, non_blocking=True), path.layout)
+        if params.flat_in:
+            return write_into(params.given, new_params) if self.write else new_params
+        if self.write:  # view by view into the door's leaves: no tree built, then walked again
+            write_into(params.leaves, leaf_views(new_params, path.layout))
+            return params.given
+        return unflatten(new_params, path.layout, like=params.given)
