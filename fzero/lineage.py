@@ -54,13 +54,14 @@ import torch
 from fzero.transforms.hyperparams import register_holder
 
 from .binding import ZeroState
+from .cast import cast_params
 from .flat import leaf_views
+from .memory import marked_buffer
 from .params_form import ParamsForm
 from .plan import tracing
 from .shard_view import leaf_runs
-from .cast import cast_params
 
-__all__ = ["Mark", "ParamsEditedError", "buffer_of", "mark", "params_of", "check", "refuse_consumed", "consume",
+__all__ = ["Mark", "ParamsEditedError", "mark", "params_of", "check", "refuse_consumed", "consume",
            "hand_over", "checked_fp32_master"]
 
 _ATTR = "_fzero_mark"
@@ -85,20 +86,11 @@ class Mark(NamedTuple):
     master_version: int
 
 
-def buffer_of(params: Any) -> torch.Tensor | None:
-    """The flat buffer ``params`` are (the ``[N*S]`` tensor itself) or whose views they are (the
-    first leaf's base), without walking the leaves; ``None`` if there is none."""
-    if isinstance(params, torch.Tensor):
-        return params
-    leaves = optree.tree_leaves(params)
-    return leaves[0]._base if leaves and isinstance(leaves[0], torch.Tensor) else None
-
-
 def mark(params: Any, master: torch.Tensor) -> None:
     """Record that ``params`` were written together with the state whose master is ``master``."""
     if tracing():  # before the leaves: traced, each optree call is thousands of instructions
         return
-    buf = buffer_of(params)
+    buf = marked_buffer(params)
     if buf is None:
         return
     ticket = next(_tickets)

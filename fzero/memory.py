@@ -5,11 +5,12 @@ Ground floor: imports nothing of fzero, so every module may ask it. Eager only -
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
+import optree
 import torch
 
-__all__ = ["shared_memory", "viewed_buffer", "check_in_buffer"]
+__all__ = ["shared_memory", "viewed_buffer", "marked_buffer", "check_in_buffer"]
 
 
 def shared_memory(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
@@ -41,6 +42,17 @@ def viewed_buffer(leaves: Sequence[torch.Tensor], offsets: Sequence[int], numel:
         return base
     # e.g. a compiled step's output: the leaves share the buffer but carry no view link
     return leaves[0].new_empty(0).set_(storage, start, (numel,))
+
+
+def marked_buffer(params: Any) -> torch.Tensor | None:
+    """The tensor object that stands for the flat buffer of params an engine returned, without
+    walking their leaves: the ``[N*S]`` tensor itself, or the first leaf's ``_base`` (the buffer
+    that ``unflatten`` made the leaves views of); ``None`` if there is none. ``fzero.lineage`` marks
+    it; the same object comes back as ``viewed_buffer`` of those leaves."""
+    if isinstance(params, torch.Tensor):
+        return params
+    leaves = optree.tree_leaves(params)
+    return leaves[0]._base if leaves and isinstance(leaves[0], torch.Tensor) else None
 
 
 def check_in_buffer(buffer: torch.Tensor, leaves: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:

@@ -1,11 +1,12 @@
 """fzero.memory: which memory tensors occupy, read from their storages and offsets."""
 
+import optree
 import pytest
 import torch
 
 from fzero.flat import flat_buffer, flatten, leaf_views, unflatten
 from fzero.layout import make_layout
-from fzero.memory import check_in_buffer, shared_memory, viewed_buffer
+from fzero.memory import check_in_buffer, marked_buffer, shared_memory, viewed_buffer
 
 
 def params():
@@ -67,3 +68,14 @@ def test_grads_into_sharing_the_params_memory_is_refused():
     flat = flatten(params(), layout)
     with pytest.raises(ValueError, match="grads_into shares memory with the flat params"):
         unflatten(flat, layout, grads_into=flat.view_as(flat))
+
+
+def test_marked_buffer_is_the_object_viewed_buffer_finds_again():
+    """fzero.lineage marks the object ``marked_buffer`` gives for params an engine returned, and
+    reads the mark from what the params' door finds (``viewed_buffer``): the same object."""
+    layout = make_layout(params(), 1)
+    flat = flatten(params(), layout)
+    tree = unflatten(flat, layout)
+    assert marked_buffer(flat) is flat and marked_buffer(tree) is flat
+    assert viewed_buffer(optree.tree_leaves(tree), layout.offsets, layout.padded_numel) is flat
+    assert marked_buffer({"w": torch.zeros(2)}) is None  # a leaf that views nothing

@@ -160,16 +160,16 @@ def test_kernel_equals_the_kernels_at_the_casts_edges(param_dtype, skip):
     fused = tx.fused(state, grad_scale=torch.tensor(1.0), found_inf=skip_t, grad_norm=torch.tensor(1.0))
     if param_dtype == torch.float32:  # the FP32 params as the master: updated in place, nothing else written
         as_master, mu2, nu2 = master.clone(), mu.clone(), nu.clone()
-        native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, as_master, mu2, nu2, None)
+        native.adamw_update(pieces, starts, native.pack(fused.adamw()), mean_factor, skip_t, as_master, mu2, nu2, None)
         for got, want in ((as_master, want_master), (mu2, want_state[0].mu), (nu2, want_state[0].nu)):
             assert torch.equal(got.view(torch.int8), want.view(torch.int8))
-    native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, m0, mu, nu, params)
+    native.adamw_update(pieces, starts, native.pack(fused.adamw()), mean_factor, skip_t, m0, mu, nu, params)
     for got, want in ((m0, want_master), (mu, want_state[0].mu), (nu, want_state[0].nu), (params, want_params)):
         assert got.dtype == want.dtype and torch.equal(got.view(torch.int8), want.view(torch.int8))
     assert int(fused.state[0].count) == (4 if skip else 5)
     if skip:  # into new params (the pure step): it writes them, the master's cast, and nothing else
         fresh, before = torch.zeros_like(params), [x.clone() for x in (m0, mu, nu)]
-        native.adamw_update(pieces, starts, fused.adamw(), mean_factor, skip_t, m0, mu, nu, fresh, cast_on_skip=True)
+        native.adamw_update(pieces, starts, native.pack(fused.adamw()), mean_factor, skip_t, m0, mu, nu, fresh, cast_on_skip=True)
         assert torch.equal(fresh.view(torch.int8), want_params.view(torch.int8))
         assert all(torch.equal(a, b) for a, b in zip(before, (m0, mu, nu)))
 

@@ -9,7 +9,7 @@ import torch
 from .protocol import GradientTransformation
 from .combine import MaskedState, chain
 from .context import ShardContext
-from .fused import FusedStep
+from .fused import AdamWCoefficients, FusedStep
 from .hyperparams import HYPERPARAM_RULES
 from .quantize import BLOCK, block_scale, dequantize, is_stored, quantize, zeros as quantized_zeros
 from .scalars import host_value, hyperparam, scalar, zero_count
@@ -244,10 +244,10 @@ def _fused_adamw(lr, state, *, grad_scale, found_inf):
                      None if masked else lambda: _coefficients(adam, rate, decay.weight_decay))
 
 
-def _coefficients(adam: ScaleByAdamState, rate: torch.Tensor, weight_decay: torch.Tensor) -> torch.Tensor:
-    """``adamw``'s ``[8]`` FP32 coefficients of the next step (``FusedStep.adamw``): each the
-    0-d value ``update`` computes for it, as it computes it."""
+def _coefficients(adam: ScaleByAdamState, rate: torch.Tensor, weight_decay: torch.Tensor) -> AdamWCoefficients:
+    """``adamw``'s coefficients of the next step (``FusedStep.adamw``): each the 0-d FP32 value
+    ``update`` computes for it, as it computes it."""
     t = (adam.count + 1).to(torch.float64)
-    return torch.stack([scalar(1 - adam.b1), scalar(adam.b2), scalar(1 - adam.b2), scalar(adam.eps),
-                        scalar(1 / (1 - adam.b1**t)), scalar(1 / torch.sqrt(1 - adam.b2**t)), -scalar(rate),
-                        scalar(weight_decay)])
+    return AdamWCoefficients(scalar(1 - adam.b1), scalar(adam.b2), scalar(1 - adam.b2), scalar(adam.eps),
+                             scalar(1 / (1 - adam.b1**t)), scalar(1 / torch.sqrt(1 - adam.b2**t)), -scalar(rate),
+                             scalar(weight_decay))

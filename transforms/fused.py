@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["FusedStep", "updates_params"]
+__all__ = ["FusedStep", "AdamWCoefficients", "updates_params"]
 
 
 class FusedStep(NamedTuple):
@@ -25,16 +25,31 @@ class FusedStep(NamedTuple):
     kernel divides the grads by (clipping multiplies it).
 
     ``adamw``: for AdamW on FP32 moments, a function of no arguments that computes this step's
-    AdamW coefficients as one FP32 ``[8]`` tensor, in the order ``fzero.cpu.native.COEFFICIENTS``
-    names them, each the 0-d value ``update`` computes for it, as it computes it: what a kernel
-    of the caller's own may run instead of ``kernel`` on the state's two ``[S]`` tensors, the
-    first and second moments; else ``None``. The transform computes the values; the kernel that
-    reads them owns their layout."""
+    ``AdamWCoefficients``: what a kernel of the caller's own may run instead of ``kernel`` on the
+    state's two ``[S]`` tensors, the first and second moments; else ``None``. The transform
+    computes the values; a kernel that reads them lays them out as it needs (fzero's CPU kernel:
+    ``fzero.cpu.native.pack``)."""
 
     kernel: Callable[[torch.Tensor, torch.Tensor, Any], None] | None
     state: Any
     grad_scale: torch.Tensor
-    adamw: Callable[[], torch.Tensor] | None = None
+    adamw: Callable[[], "AdamWCoefficients"] | None = None
+
+
+class AdamWCoefficients(NamedTuple):
+    """AdamW's step ``t`` as 0-d FP32 values, each computed as ``update`` computes it, so that a
+    kernel running them gives ``update``'s bits: ``w1 = 1 - b1``, ``b2``, ``w2 = 1 - b2``,
+    ``eps``, ``step_size = 1 / (1 - b1^t)``, ``inv_bc2 = 1 / sqrt(1 - b2^t)``, ``neg_lr = -lr``,
+    ``wd`` (the decoupled weight decay)."""
+
+    w1: torch.Tensor
+    b2: torch.Tensor
+    w2: torch.Tensor
+    eps: torch.Tensor
+    step_size: torch.Tensor
+    inv_bc2: torch.Tensor
+    neg_lr: torch.Tensor
+    wd: torch.Tensor
 
 
 def updates_params(fused) -> bool:

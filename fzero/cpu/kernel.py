@@ -44,7 +44,7 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
         copies = iter(sized)
         new_state = optree.tree_map(lambda x: next(copies) if x.ndim else x, new_state)
     g = grads.segments()
-    torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), fused.adamw(), grads.mean_factor, skip, master, *sized,
+    torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), native.pack(fused.adamw()), grads.mean_factor, skip, master, *sized,
                                   out if cast or not donate else None, not donate)
     return master, new_state, out if cast or not donate else master
 

@@ -59,12 +59,19 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from fzero.transforms.fused import AdamWCoefficients
+
 from ..memory import check_in_buffer
 
-__all__ = ["available", "adamw_update", "sum_of_squares", "COEFFICIENTS"]
+__all__ = ["available", "adamw_update", "sum_of_squares", "pack", "COEFFICIENTS"]
 
-# The 0-d FP32 values ``adamw_update`` takes, in this order (``transforms.adam.AdamWCoefficients``).
-COEFFICIENTS = ("w1", "b2", "w2", "eps", "step_size", "inv_bc2", "neg_lr", "wd")
+# The 0-d FP32 values ``adamw_update`` takes, in this order: the transform's AdamWCoefficients.
+COEFFICIENTS = AdamWCoefficients._fields
+
+
+def pack(coefficients: AdamWCoefficients) -> torch.Tensor:
+    """The ``[8]`` FP32 tensor of ``coefficients`` that ``adamw_update`` reads (``COEFFICIENTS``)."""
+    return torch.stack(list(coefficients))
 
 # The kernels, in C++: a file of the package beside this one.
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native.cpp")
@@ -251,8 +258,8 @@ def adamw_update(grads: list[torch.Tensor], starts: list[int], coefficients: tor
                  params: torch.Tensor | None, *, cast_on_skip: bool = False) -> None:
     """The update of an ``[S]`` shard in place: ``grads[i]`` (1-D FP16, BF16 or FP32,
     contiguous) holds the elements from ``starts[i]`` (pieces in any order, not overlapping; the
-    elements no piece holds have zero grads, the padding); ``coefficients`` ``[8]`` FP32
-    (``COEFFICIENTS``); ``master``, ``m``, ``v`` ``[S]`` FP32, written; ``params`` ``[S]`` FP16,
+    elements no piece holds have zero grads, the padding); ``coefficients``: the transform's for this
+    step, packed (``pack``: ``[8]`` FP32); ``master``, ``m``, ``v`` ``[S]`` FP32, written; ``params`` ``[S]`` FP16,
     BF16 or FP32, written with the new master's cast (FP32: its value), or ``None`` where the
     FP32 params are the master itself (``master="params"``). A skipped step writes nothing (the
     params are the old master's cast already), or with ``cast_on_skip`` (new params: the pure
