@@ -28,7 +28,7 @@ params that need grad.
 weights are stale: its own ``forward``, ``state_dict`` and ``load_state_dict`` raise, naming the
 call to make instead; ``apply`` leaves its tensors in the modules until the next ``apply`` or the
 way back, so that activation checkpointing, which runs a block's forward again inside backward,
-computes with them (``fzero.net_guard.Binding``).
+computes with them (``fzero.net_guard.NetBinding``).
 
 **apply(params, buffers, \\*inputs, \\*\\*kwargs) -> (output, new_buffers)** is pure: it runs
 ``net``'s forward (with the given tensors in its modules, as ``torch.func.functional_call``; in the net's mode: ``net.train()`` /
@@ -68,7 +68,7 @@ from torch import nn
 from .checkpoint.export import full_master
 from .engine import Engine
 from .memory import shared_memory
-from .net_guard import Binding, Guard, refuse_backward
+from .net_guard import NetBinding, Guard, refuse_backward
 
 __all__ = ["FP32_MODULES", "FunctionalModule", "functional", "broadcast_buffers"]
 
@@ -115,7 +115,7 @@ class FunctionalModule:
         first = {id(t): name for name, t in [*net.named_parameters(), *net.named_buffers()]}
         aliases = [*net.named_parameters(remove_duplicate=False), *net.named_buffers(remove_duplicate=False)]
         self._canonical = {name: first[id(t)] for name, t in aliases}
-        self._guard.binding = Binding(net, self._canonical)
+        self._guard.binding = NetBinding(net, self._canonical)
 
     # ------------------------------------------------------------------ forward
     # ------------------------------------------------------------------ forward
@@ -144,7 +144,7 @@ class FunctionalModule:
         if self.cast_inputs:
             inputs, kwargs = optree.tree_map(
                 lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (inputs, kwargs))
-        # Bound until the next apply or the way back (``fzero.net_guard.Binding``): activation checkpointing
+        # Bound until the next apply or the way back (``fzero.net_guard.NetBinding``): activation checkpointing
         # recomputes the forward inside backward, after this call, and must see these tensors.
         self._guard.binding.bind(tensors)
         self._guard.held = True  # from now on the net's own weights are stale

@@ -1,5 +1,5 @@
 """The net while fzero trains it (``fzero.module.functional``): which tensors its modules hold
-(``Binding``), the hooks that refuse its own forward, ``state_dict`` and ``load_state_dict``
+(``NetBinding``), the hooks that refuse its own forward, ``state_dict`` and ``load_state_dict``
 (``Guard``), and the backward through ``apply``'s output that names the way to take the grads
 (``refuse_backward``).
 """
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as torch_pytree
 
-__all__ = ["Binding", "Guard", "refuse_backward"]
+__all__ = ["NetBinding", "Guard", "refuse_backward"]
 
 
-class Binding:
+class NetBinding:
     """Which tensors ``net``'s modules hold: its own (``Parameter`` objects and buffers) or those
     of the last ``apply``. ``torch.func.functional_call`` puts the given tensors in for the call
     and its own back when the forward returns; activation checkpointing
@@ -56,7 +56,7 @@ class Binding:
 class Guard:
     """Hooks on the net that refuse its own forward, ``state_dict`` and ``load_state_dict`` while
     fzero trains it (``held``: from the first ``apply`` until ``load_into``): they would act on
-    the weights it had before training, or on tensors ``apply`` left bound (``Binding``), and
+    the weights it had before training, or on tensors ``apply`` left bound (``NetBinding``), and
     the trained weights are the engine's (the FP32 master and the params it returns). ``open``
     lets fzero's own calls through. One guard per net: a later ``functional(net)`` takes it."""
 
