@@ -473,3 +473,21 @@ def test_moments_load_into_any_moment_dtype_at_any_world_size(tmp_path):
             bf16_view = moments_view(engine, state, ss)
     assert bf16_view["tx_state/0/mu"].dtype == torch.bfloat16
     run_ranks(loads_at_three_ranks, 3, tmp, bf16_view)  # 1 -> 3, each rank checks its shard
+
+
+def test_arguments_out_of_order_name_the_call_and_what_came_instead(ready, tmp_path):
+    """The engine where another argument was expected (or that argument where the engine was) is a
+    TypeError naming the call's signature and the type that came, before anything is written."""
+    engine, params, state, ss, _ = ready
+    calls = [
+        (lambda: ck.save(tmp_path / "a", engine, params, state, ss), "save(path, params, state, scaler_state, engine)",
+         "LossScaleState"),
+        (lambda: ck.load(tmp_path / "a", params), "load(path, engine)", "dict"),
+        (lambda: ck.export_full(tmp_path / "x.safetensors", engine, params), "export_full(path, params_or_state, engine)",
+         "dict"),
+        (lambda: ck.full_master(params, engine, state), "full_master(params, state, engine)", "ZeroState"),
+    ]
+    for call, where, got in calls:
+        with pytest.raises(TypeError, match=re.escape(f"fzero.checkpoint.{where}: the engine argument is a {got},")):
+            call()
+    assert list(tmp_path.iterdir()) == []

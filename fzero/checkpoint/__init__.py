@@ -120,7 +120,7 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     NaN or infinity; rank 0's is saved), e.g. the data loader's position; its ``"step"``, if
     any, must be an integer >= 0 and becomes the manifest's ``step``.
     """
-    layout, comm = ready(engine)
+    layout, comm = ready(engine, "save(path, params, state, scaler_state, engine)")
     comm.arrive("checkpoint.save", timeout=engine.call_timeout)
     path = files.absolute(path)
     rank, n, what = comm.rank, comm.world_size, f"save {path}"
@@ -194,7 +194,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     if hyperparams not in HYPERPARAMS_FROM:
         raise ValueError(f"hyperparams must be one of {HYPERPARAMS_FROM}, got {hyperparams!r}")
     need_safetensors()
-    layout, comm = ready(engine)
+    layout, comm = ready(engine, "load(path, engine)")
     comm.arrive("checkpoint.load", timeout=engine.call_timeout)
     path = files.absolute(path)
     rank, what = comm.rank, f"load {path}"

@@ -49,9 +49,13 @@ def agree(comm, what: str, fn: Callable[[], Any], *, gather: bool = False):
     return [r for _, r in gathered] if gather else result
 
 
-def ready(engine: Engine):
-    """``(layout, comm)`` of an engine a checkpoint call can use: ``init``-ed, not simulated, its
-    group unchanged since ``init``; ``RuntimeError`` otherwise."""
+def ready(engine: Engine, where: str):
+    """``(layout, comm)`` of an engine a checkpoint call (``where``, its signature) can use: an
+    ``Engine`` (``TypeError`` naming what came instead: arguments given out of order), ``init``-ed,
+    not simulated, its group unchanged since ``init``; ``RuntimeError`` otherwise."""
+    if not isinstance(engine, Engine):
+        raise TypeError(f"fzero.checkpoint.{where}: the engine argument is a {type(engine).__name__}, not the Engine "
+                        "that fzero.zero1 built: check the order of the arguments")
     if engine.layout is None:
         raise RuntimeError("fzero.checkpoint needs an engine after engine.init (it supplies the layout)")
     comm = engine.comm

@@ -38,7 +38,7 @@ def full_master(params, state: ZeroState, engine: Engine, *, where: str = "check
     params from ``init``/``step`` of the same step as ``state``; params written since
     (``fzero.lineage.checked_fp32_master``) and a state a donating step consumed raise, on
     every rank. ``where`` names the call the user made in errors (``fm.state_dict`` calls it)."""
-    comm = ready(engine)[1]
+    comm = ready(engine, "full_master(params, state, engine)")[1]
     comm.arrive(where, timeout=engine.call_timeout)
     full = agree(comm, where, lambda: lineage.checked_fp32_master(params, state, engine, where=where))
     return _gathered(full.master, engine)
@@ -79,7 +79,7 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
     (``fzero.lineage.checked_fp32_master``: the file would hold the master without the write).
     """
     commit.need_safetensors()
-    layout, comm = ready(engine)
+    layout, comm = ready(engine, "export_full(path, params_or_state, engine)")
     comm.arrive("checkpoint.export_full", timeout=engine.call_timeout)
     path = os.path.abspath(os.fspath(path))
     keys = list(layout.paths)  # and, with moments, each moment's leaves after the master's
