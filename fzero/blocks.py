@@ -11,9 +11,10 @@ __all__ = ["per_block", "sized", "slices"]
 
 
 def per_block(x: Any, S: int, block: int) -> bool:
-    """Whether ``x`` is a per-block state tensor of an ``[S]`` shard: ``[S / block]`` (one value
-    per ``block`` elements, ``GradientTransformation.block``)."""
-    return block > 1 and isinstance(x, torch.Tensor) and x.shape == (S // block,)
+    """Whether ``x`` is a per-block state tensor of an ``[S]`` shard: ``[ceil(S / block)]`` (one
+    value per ``block`` elements, ``GradientTransformation.block``; the engine's shards are whole
+    blocks, a tensor of another size ends in a partial one)."""
+    return block > 1 and isinstance(x, torch.Tensor) and x.shape == (-(-S // block),)
 
 
 def sized(x: Any, S: int, block: int) -> bool:

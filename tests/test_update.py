@@ -1,6 +1,6 @@
 """fzero.update and its CPU wing's chunks (``fzero.cpu.chunked``): the update variants (fused kernel chunk by
 chunk, generic chunked, compiled chunks, generic on the whole shard), the plan's choice between them
-(``fzero.plan``), the saturating cast (``fzero.cast``) and the grad norm's sum of squares (``fzero.norm``)."""
+(``fzero.plan``). The cast and the norm's sum of squares: tests/test_cast.py, tests/test_norm.py."""
 
 import contextlib
 
@@ -11,10 +11,9 @@ import torch
 import fzero
 import fzero.cpu.chunked
 from fzero import transforms
-from fzero.cast import IntoBuffer, IntoLeaves, IntoMaster, NewTensor, cast_params, write_into
+from fzero.cast import IntoBuffer, IntoLeaves, IntoMaster, NewTensor, cast_params
 from fzero.cpu.chunked import fused_chunks, generic_chunks
-from fzero.grad_forms import Reduced, Segments
-from fzero.norm import sum_of_squares
+from fzero.grad_forms import Reduced
 from fzero.update import ShardGrads, ask_fused, compiled_update, generic_whole
 from fzero.models import mlp
 from helpers import (NewTensors, assert_compiled_state_close, grads_like, odd_params, step_plan, tree_assert_close,
@@ -166,47 +165,6 @@ def test_step_plan_decides_each_mode_once():
     assert not isinstance(step_plan(flat_in=False, **kw)[0].cast, IntoMaster)
     assert not isinstance(step_plan(donate=True, world_size=2, **{**kw, "chunk": 64})[0].cast, IntoMaster)
 
-
-def test_write_into_copies_every_new_tensor_into_the_old_one():
-    old = {"a": torch.zeros(3), "b": (torch.zeros(2), torch.ones(1))}
-    same = old["b"][1]
-    new = {"a": torch.arange(3.0), "b": (torch.full((2,), 5.0), same)}
-    out = write_into(old, new)
-    assert out is old and torch.equal(old["a"], torch.arange(3.0)) and torch.equal(old["b"][0], torch.full((2,), 5.0))
-
-
-def test_sum_of_squares_is_the_float64_sum_and_non_finite_on_any_inf():
-    g = torch.randn(1000) * 100
-    pieces = Segments((g[:123], g[123:700], g[700:]), (0, 123, 700), 1000, False)
-    for bounded in (True, False):
-        for compiled in (False, True):  # compiled: the whole parts (no block cut; the same for a small shard)
-            a = sum_of_squares(pieces, bounded=bounded, compiled=compiled)
-            assert a.dtype == torch.float64
-            torch.testing.assert_close(a, g.double().square().sum(), rtol=1e-6, atol=0)
-    assert torch.isinf(sum_of_squares(Segments.of(torch.tensor([1.0, float("inf")]), False), bounded=True))
-
-
-@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
-def test_cast_params_saturating_in_scratch_gives_the_same_bits(param_dtype):
-    """With ``scratch`` the saturation runs in FP32 before the cast (the eager fused step's
-    order): the same bits as casting first, on random values, values around the dtype's largest
-    (below, at, between it and the next power, beyond), FP32's largest, ties, subnormals, zeros,
-    inf and NaN; the master is left alone and only ``scratch`` is written."""
-    top = torch.finfo(param_dtype).max
-    ulp = top - torch.nextafter(torch.tensor(top, dtype=param_dtype), torch.tensor(0.0, dtype=param_dtype)).item()
-    edges = [top, top + ulp / 4, top + ulp / 2, top + ulp * 0.75, 2 * top, 3.4e38, 1e-42, 0.0, 1.0 + 2**-11, 1.0 + 2**-8,
-             float("inf"), float("nan")]
-    edges = torch.tensor(edges + [-x for x in edges], dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    master = torch.cat([edges, torch.randn(10_000, generator=gen) * torch.logspace(-20, 20, 10_000)])
-    kept = master.clone()
-    want = cast_params(master, param_dtype)
-    scratch, out = torch.full_like(master, 7.0), torch.empty(master.numel(), dtype=param_dtype)
-    got = cast_params(master, param_dtype, out=out, scratch=scratch)
-    assert got is out and torch.equal(master.view(torch.int32), kept.view(torch.int32))
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # NaN's bits too
-    nan = master.isnan()
-    assert (got.float().abs() <= top)[~nan].all() and got[nan].isnan().all()  # saturated, NaN kept
 
 # ---------------------------------------------------------------- through the engine
 @pytest.mark.parametrize("param_dtype,big", [(torch.float16, 65000.0), (torch.bfloat16, 3.38e38)])
