@@ -7,7 +7,12 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["per_block", "sized", "slices"]
+__all__ = ["is_shard", "per_block", "sized", "slices"]
+
+
+def is_shard(x: Any, S: int) -> bool:
+    """Whether ``x`` is a state tensor of the shard's own shape, ``[S]`` (one value per element)."""
+    return isinstance(x, torch.Tensor) and x.shape == (S,)
 
 
 def per_block(x: Any, S: int, block: int) -> bool:
@@ -19,14 +24,14 @@ def per_block(x: Any, S: int, block: int) -> bool:
 
 def sized(x: Any, S: int, block: int) -> bool:
     """Whether ``x`` is a state tensor the size of the shard: ``[S]``, or per-block."""
-    return isinstance(x, torch.Tensor) and (x.shape == (S,) or per_block(x, S, block))
+    return is_shard(x, S) or per_block(x, S, block)
 
 
 def slices(tree: Any, S: int, block: int, lo: int, hi: int) -> Any:
     """``tree`` with each ``[S]`` tensor cut to ``[lo:hi]`` and each per-block one to
     ``[lo/block : hi/block]`` (``lo``, ``hi``: block edges or ``S``); 0-d leaves as they are."""
     def cut(x):
-        if isinstance(x, torch.Tensor) and x.shape == (S,):
+        if is_shard(x, S):
             return x[lo:hi]
         return x[lo // block: -(-hi // block)] if per_block(x, S, block) else x
 

@@ -30,11 +30,12 @@ from torch.utils import _python_dispatch
 
 from fzero.transforms import FusedStep, scalar
 
+from .blocks import is_shard
 from .cast import NewTensor, cast_params
 from .grad_forms import Reduced, Segments
 
 __all__ = ["ShardGrads", "CompiledUpdate", "compiled_update", "own_compile", "update_into", "COMPILE_NUMEL",
-           "generic_whole", "compiled_whole", "fused_whole", "fused_inputs", "fused_state", "ask_fused", "run_fused",
+           "generic_whole", "compiled_whole", "fused_whole", "fused_slice", "fused_inputs", "fused_state", "ask_fused", "run_fused",
            "Whole", "CompiledWhole", "Fused"]
 
 COMPILE_NUMEL = 2**20  # eager shards from this size up compile their update when it has no fused kernel
@@ -182,18 +183,14 @@ def fused_inputs(master: torch.Tensor, tx_state: Any, donate: bool) -> tuple[tor
     if donate:
         return master, tx_state
     S = master.numel()
-    copy = lambda x: x.clone() if _is_shard(x, S) and x.is_floating_point() else x  # noqa: E731
+    copy = lambda x: x.clone() if is_shard(x, S) and x.is_floating_point() else x  # noqa: E731
     return optree.tree_map(copy, (master, tx_state))
 
 
 def fused_state(tx_state: Any, fused: FusedStep, S: int) -> Any:
     """The new transform state after ``fused.kernel``: the ``[S]`` tensors it wrote, the 0-d
     leaves of the fused step's state."""
-    return optree.tree_map(lambda full, new: full if _is_shard(full, S) else new, tx_state, fused.state)
-
-
-def _is_shard(x: Any, S: int) -> bool:
-    return isinstance(x, torch.Tensor) and x.shape == (S,)
+    return optree.tree_map(lambda full, new: full if is_shard(full, S) else new, tx_state, fused.state)
 
 
 def fused_whole(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk=None,
@@ -204,10 +201,20 @@ def fused_whole(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip,
     S = master.numel()
     master, state = fused_inputs(master, tx_state, donate)
     out = torch.empty(S, dtype=param_dtype, device=master.device) if out is None else out
-    fused.kernel(master, grads.segments().fp32(0, S, master.device), state)
-    if cast:
-        cast_params(master, param_dtype, out=out)
+    fused_slice(fused, grads.segments(), 0, master, state, out, param_dtype, cast=cast)
     return master, fused_state(state, fused, S), out
+
+
+def fused_slice(fused: FusedStep, g: Segments, lo: int, master: torch.Tensor, state: Any, out: torch.Tensor,
+                param_dtype: torch.dtype, *, cast: bool, saturate_in_grads: bool = False) -> None:
+    """``fused.kernel`` on ``master``, the shard's elements from ``lo`` (and ``state``, its slice
+    of the transform state), with the FP32 grads of those elements read from ``g``; then, with
+    ``cast``, ``master`` cast into ``out``, its slice of the params shard (``saturate_in_grads``:
+    the spent FP32 grads are the cast's ``scratch``)."""
+    grads = g.fp32(lo, lo + master.numel(), master.device)
+    fused.kernel(master, grads, state)
+    if cast:
+        cast_params(master, param_dtype, out=out, scratch=grads if saturate_in_grads else None)
 
 
 class Whole(NamedTuple):

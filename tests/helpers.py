@@ -535,12 +535,13 @@ def step_plan(*, world_size=1, flat_in=True, donate=False, compiled=False, gpu=F
     return fzero.plan.choose(k, form, layout, compiled=compiled), params
 
 
-def update_path(plan) -> str:
-    """The update's variant and the fallbacks it carries, as ``Native > FusedChunks(256) > Chunks(256)``."""
+def update_path(plan, *, detail: bool = True) -> str:
+    """The update's variant and the fallbacks it carries, as ``Native > FusedChunks(256) > Chunks(256)``
+    (``detail=False``: by name only, ``Native > FusedChunks > Chunks``)."""
     names, v = [], plan.update
     while v is not None:
-        chunk = getattr(v, "chunk", None)
-        names.append(type(v).__name__ + ("(traced)" if getattr(v, "traced", False) else "")
+        chunk = getattr(v, "chunk", None) if detail else None
+        names.append(type(v).__name__ + ("(traced)" if detail and getattr(v, "traced", False) else "")
                      + (f"({chunk})" if chunk is not None else ""))
         v = getattr(v, "fallback", None)
     return " > ".join(names)

@@ -16,6 +16,7 @@ from fzero.cpu.chunked import fused_chunks, generic_chunks
 from fzero.grad_forms import Reduced
 from fzero.update import ShardGrads, ask_fused, compiled_update, generic_whole
 from fzero.models import mlp
+from helpers import update_path as helpers_update_path
 from helpers import (NewTensors, assert_compiled_state_close, grads_like, odd_params, step_plan, tree_assert_close,
                      tree_equal)
 
@@ -36,11 +37,7 @@ def shard_problem(S=1000, seed=0):
 
 def update_path(plan) -> str:
     """The plan's update variant and the fallbacks it carries, by name: ``FusedChunks > Chunks``."""
-    names, v = [], plan.update
-    while v is not None:
-        names.append(type(v).__name__)
-        v = getattr(v, "fallback", None)
-    return " > ".join(names)
+    return helpers_update_path(plan, detail=False)
 
 
 def run(variant, fused, tx, master, tx_state, grads, *, chunk, donate=False, out=None):

@@ -13,9 +13,9 @@ import torch
 
 from fzero.transforms import FusedStep
 
-from ..blocks import sized, slices
-from ..cast import NewTensor, cast_params
-from ..update import CompiledUpdate, ShardGrads, fused_inputs, fused_state, run_fused, update_into
+from ..blocks import is_shard, sized, slices
+from ..cast import NewTensor
+from ..update import CompiledUpdate, ShardGrads, fused_inputs, fused_slice, fused_state, run_fused, update_into
 
 __all__ = ["fused_chunks", "generic_chunks", "compiled_chunks", "FusedChunks", "Chunks", "CompiledChunks"]
 
@@ -39,14 +39,11 @@ def fused_chunks(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip
     # Every chunk's views made up front (a tree_map per chunk costs more than a small kernel).
     leaves, spec = optree.tree_flatten(tx_state)
     cut = lambda x: x.split(chunk)  # noqa: E731
-    parts = [cut(x) if isinstance(x, torch.Tensor) and x.shape == (S,) else None for x in leaves]
+    parts = [cut(x) if is_shard(x, S) else None for x in leaves]
     for i, (m, o) in enumerate(zip(cut(master), cut(out))):
-        lo = i * chunk
         state_chunk = spec.unflatten([x if v is None else v[i] for x, v in zip(leaves, parts)])
-        grads_chunk = g.fp32(lo, lo + m.numel(), m.device)
-        fused.kernel(m, grads_chunk, state_chunk)
-        if cast:
-            cast_params(m, param_dtype, out=o, scratch=grads_chunk if saturate_in_grads else None)
+        fused_slice(fused, g, i * chunk, m, state_chunk, o, param_dtype, cast=cast,
+                    saturate_in_grads=saturate_in_grads)
     return master, fused_state(tx_state, fused, S), out
 
 

@@ -24,6 +24,11 @@ __all__ = ["native_update", "native_fused", "native_runs", "native_sum_of_square
 _NATIVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _reads(parts) -> bool:
+    """Whether the kernels read the grads ``parts`` as they are: contiguous FP16, BF16 or FP32 CPU pieces."""
+    return all(p.dtype in _NATIVE_DTYPES and p.device.type == "cpu" and p.is_contiguous() for p in parts)
+
+
 def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk,
                   donate, out, compiled=None, cast=True):
     """The update at world size 1 with fzero's own CPU kernel for AdamW on FP32 moments
@@ -54,8 +59,7 @@ def native_fused(tx, tx_state, parts, numel: int, skip, norm, param_dtype) -> Fu
     else ``None``: AdamW's coefficients given for the grads as they are (no clipping before it),
     two ``[numel]`` FP32 moments, the grads ``parts`` FP16, BF16 or FP32 contiguous CPU pieces,
     FP16, BF16 or FP32 params."""
-    if tx.fused is None or param_dtype not in _NATIVE_DTYPES or any(
-            p.dtype not in _NATIVE_DTYPES or p.device.type != "cpu" or not p.is_contiguous() for p in parts):
+    if tx.fused is None or param_dtype not in _NATIVE_DTYPES or not _reads(parts):
         return None
     sized = [x for x in optree.tree_leaves(tx_state) if x.ndim]
     if len(sized) != 2 or any(x.dtype != torch.float32 or x.shape != (numel,) for x in sized):
@@ -104,8 +108,7 @@ def native_sum_of_squares(g: Segments, *, bounded: bool, compiled: bool = False)
     traced too (``compiled``: where the step's update runs that kernel leaf by leaf, built), the
     eager step's bits. Where the kernel is not built, or the grads are not contiguous FP16, BF16
     or FP32 CPU pieces: ``fzero.norm.sum_of_squares``."""
-    if (compiled or native.available(torch.device("cpu"))) and all(
-            p.dtype in _NATIVE_DTYPES and p.device.type == "cpu" and p.is_contiguous() for p in g.parts):
+    if (compiled or native.available(torch.device("cpu"))) and _reads(g.parts):
         return native.sum_of_squares(g.pieces(NORM_BLOCK), NORM_ROW, wide=not bounded)
     return sum_of_squares(g, bounded=bounded, compiled=compiled)
 
