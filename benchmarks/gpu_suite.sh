@@ -6,7 +6,8 @@
 # a profile of one step of each compiled row: its host time beside its kernels'), the eager
 # step's bytes per element, the BF16 step with an FP32 against a remainder master, the
 # step with BF16 and 8-bit moments against FP32 ones (eager and compiled), the memory table (with CPU offload's device bytes and step time), and the main job's step against
-# the torch recipe at GPT-2-small shape (e2e.py), and Muon + AdamW against AdamW at 1e9 elements (muon.py).
+# the torch recipe at GPT-2-small shape (e2e.py), checkpoint.save against async_save at 1e9 elements (staging
+# into pinned memory on a side stream: checkpoint.py), and Muon + AdamW against AdamW at 1e9 elements (muon.py).
 # Results land in $OUT (default benchmarks/results/gpu).
 #   bash benchmarks/gpu_suite.sh            # full sizes, on the GPU machine
 #   QUICK=1 bash benchmarks/gpu_suite.sh    # tiny sizes: rehearse the script on a CPU
@@ -44,5 +45,6 @@ run benchmarks/master.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || e
 LIMIT=240 run benchmarks/moments.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu || echo --numel 1e9 --device cuda --iters 5 --rounds 3) --json "$OUT/moments.json"
 run benchmarks/memory.py $MEM --json "$OUT/memory.json"
 LIMIT=300 run benchmarks/e2e.py $E2E --json "$OUT/e2e.json"
+LIMIT=200 run benchmarks/checkpoint.py $([ -n "${QUICK:-}" ] && echo --quick --device cpu --states big --no-writers --nice 19 || echo --device cuda --states big --numel 1e9 --rounds 2 --steps 3 --no-writers --nice 19) --json "$OUT/checkpoint.json"
 LIMIT=240 run benchmarks/muon.py $([ -n "${QUICK:-}" ] && echo --device cpu --config nano --ranks 1 --rounds 2 || echo --device cuda --ranks 1 --blocks 40 --width 1024 --rounds 3) --json "$OUT/muon.json"
 echo "results in $OUT"

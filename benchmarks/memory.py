@@ -6,7 +6,9 @@ params, FP16 grads and AdamW. "held" counts the bytes of every distinct storage 
 grads, optimizer state and loss-scale state after one step; on a GPU, "peak" is
 ``torch.cuda.max_memory_allocated`` during that step (from a reset after init). The gradient
 accumulation buffer is measured for stage 1 (full FP32 flat sum, 4P) and stage 2 (this rank's
-FP32 shard of the reduced sum, 4P/N).
+FP32 shard of the reduced sum, 4P/N). "async_save staging" is the host buffer
+``checkpoint.async_save`` keeps for the engine (``fzero.checkpoint.staging``): the real elements of
+the rank's FP32 master and moments, 12P/N, outside the device.
 
     python benchmarks/memory.py                          # 124M and 1B params, N = 1, 8, 64 (CPU)
     python benchmarks/memory.py --sizes 1e9 --world-sizes 8 64 --device cuda
@@ -42,6 +44,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
+from fzero.checkpoint import manifest, staging  # noqa: E402
+from fzero.checkpoint.form import saved_form  # noqa: E402
+from fzero.transforms.tree import leaf_paths  # noqa: E402
 from common import hardware, median_time, table  # noqa: E402
 
 GB = 2**30
@@ -59,6 +64,14 @@ def storage_bytes(*trees) -> int:
             s = t.untyped_storage()
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def staging_bytes(engine, state) -> int:
+    """Host bytes of ``checkpoint.async_save``'s staging buffer for rank 0's ``state``: the real
+    elements of its ``[S]`` leaves as a checkpoint stores them."""
+    names, leaves, _ = leaf_paths(saved_form(state, engine.shard_context))
+    kinds = manifest.classify(names, leaves, engine.layout.shard_numel)
+    return staging.nbytes(names, leaves, kinds, engine.layout.owned(0))
 
 
 def measure(P: int, N: int, device: torch.device, leaves: int = 16, replicas: int = 1) -> dict:
@@ -82,7 +95,8 @@ def measure(P: int, N: int, device: torch.device, leaves: int = 16, replicas: in
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     held = storage_bytes(params, grads, state, ss)
-    out = {"held": held, "state": engine.state_bytes(state), "peak_step": peak, "shard": engine.layout.shard_numel}
+    out = {"held": held, "state": engine.state_bytes(state), "peak_step": peak, "shard": engine.layout.shard_numel,
+           "staging": staging_bytes(engine, state)}
     # gradient accumulation buffers: stage 1 sums the full flat grads, stage 2 only its shard
     acc = engine.accumulate(engine.accumulate(None, grads), grads)
     out["acc_stage1"] = storage_bytes(acc)
@@ -217,12 +231,13 @@ def main(argv=None):
                 f"{m['state_params'] / GB:.3f}", f"{8 * P / N / GB:.3f}",
                 f"{m['acc_stage1'] / GB:.3f}", f"{m['acc_stage2'] / GB:.3f}",
                 "-" if m["peak_step"] is None else f"{m['peak_step'] / GB:.2f}",
+                f"{m['staging'] / GB:.3f}",
             ])
     print(f"\nGiB per rank; fzero measured on {hardware(device)} as rank 0 of N (simulated)\n")
     print(table(rows, ["P", "N", "DDP 16P", "ZeRO-1 4P+12P/N", "ZeRO-2 2P+14P/N", "ZeRO-3 16P/N",
                        "fzero held", "held / ZeRO-1", "fzero opt state", "12P/N",
                        "opt state, BF16 + remainder", "10P/N", "opt state, FP32 + params", "8P/N",
-                       "accum buf stage 1", "accum buf stage 2", "peak in step"]))
+                       "accum buf stage 1", "accum buf stage 2", "peak in step", "async_save staging (host) 12P/N"]))
     moment_rows = []
     for P in map(int, args.sizes):
         for N in args.moment_world_sizes:

@@ -13,7 +13,8 @@ Python: the standard library's own sources (see data.py); --data FILE trains on 
 The loss (as a function of the flat param buffer) and the optimizer step are compiled
 (torch.compile; --no-compile runs both eagerly; recipe.make_train_step says which is which), and the
 loop syncs the host only at log steps: every --log-every steps, and at the steps that sync anyway
-(evaluation, collective timing, checkpoints). Until then the per-step loss, found_inf, loss scale
+(evaluation, collective timing, checkpoints: --save-every stages the state and writes it in the
+background, saving.py). Until then the per-step loss, found_inf, loss scale
 and grad norm stay 0-d tensors on the device.
 
 Writes <out>/metrics.jsonl: first {"config": ...} (every flag, world size, device, torch and
@@ -56,8 +57,9 @@ from fzero import transforms
 from flags import DTYPES, UsageError, check_args, given_flags, parse_args, resume_line, training_flags
 from ranks import exit_usage, gather_to_all, init_distributed, launched, rows_of
 from recipe import build, evaluate, load_data, lr_schedule, make_mesh, make_optimizer, make_train_step, schedule_count
-from reporting import (LogWindow, Progress, config_record, dir_bytes, make_profiler, open_metrics, plot, print_summary,
+from reporting import (LogWindow, Progress, config_record, make_profiler, open_metrics, plot, print_summary,
                        sha256, summarize, warn_stuck)
+from saving import BackgroundSaves
 
 
 KEPT_MASTER = {"fp32": "FP32 master", "remainder": "int16 master remainder", "params": "the FP32 params as master"}
@@ -151,9 +153,10 @@ def main(argv=None):
     train_step = make_train_step(engine, loss_fn, compile=args.compile)
     lr_fn = lr_schedule(args)
     window = LogWindow(tokens_per_step, state_bytes, skipped=extra.get("skipped_total", 0))  # over the whole run
-    records, warned_stuck, saved, flags = [], False, [], training_flags(args)
+    records, warned_stuck, flags = [], False, training_flags(args)
     profiler = make_profiler(args.profile, rank)
     progress = Progress(rank == 0, first_step, args.steps)
+    saves = BackgroundSaves(progress)
     start = time.perf_counter()
     with profiler as prof:
         for step in progress:
@@ -182,23 +185,21 @@ def main(argv=None):
                 if stuck and not warned_stuck:  # rare: find the culprits off the hot path
                     warned_stuck = True
                     warn_stuck(loss_fn, params, scaler_state, batch, rank)
-                if save_now:
-                    path, t0 = os.path.join(out, "ckpt", f"step-{step}"), time.perf_counter()
-                    fzero.checkpoint.save(path, params, state, scaler_state, engine,  # extra: what --resume reads
-                                          extra={"step": step, "skipped_total": window.skipped, "flags": flags})
-                    saved.append(path)
-                    progress.write(f"saved checkpoint {path} ({dir_bytes(path) / 2**20:.2f} MiB, "
-                                   f"{time.perf_counter() - t0:.2f} s)")
+                saves.poll()
+                if save_now:  # in the background: the next steps run while it is written
+                    saves.start(os.path.join(out, "ckpt", f"step-{step}"), params, state, scaler_state, engine,
+                                extra={"step": step, "skipped_total": window.skipped, "flags": flags})  # what --resume reads
                 window.restart_clock()  # evaluation, timing and checkpoints are not step time
             if prof:
                 prof.step()
     total_time = time.perf_counter() - start
+    saves.finish()  # the last checkpoint is committed before the run ends
     progress.close()
 
     # Every rank hashes its full param buffer: ZeRO-1 must leave them bit-identical.
     digests = gather_to_all(sha256(fzero.flatten(params, engine.layout)))
     summary = summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests)
-    summary["checkpoints"] = saved
+    summary["checkpoints"] = saves.saved
     if resumed:
         summary["resumed"] = resumed
     if rank == 0:

@@ -181,6 +181,9 @@ def _transform_state(state: ZeroState, where: str) -> Any:
 register_holder(ZeroState, _transform_state)
 
 
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}  # a dtype's bits as ints
+
+
 def checked_fp32_master(params: Any, state: ZeroState, engine, *, where: str) -> ZeroState:
     """``engine.with_fp32_master(params, state, where=where)`` (``state`` with its FP32 ``[S]``
     master), after checking the values: this rank's shard of ``params`` (the pytree or the flat
@@ -188,19 +191,22 @@ def checked_fp32_master(params: Any, state: ZeroState, engine, *, where: str) ->
     NaN), as every ``init``, ``step`` (skipped or not), ``load_params`` and load leave them. A
     write no version counter saw (through ``.data``, a NumPy view, cloned params edited and
     passed back) raises ``ParamsEditedError`` naming ``where``, each leaf and how many of its
-    elements differ. One pass over the ``[S]`` shard and one host sync: for checkpoint save and
-    export, not for every step."""
+    elements differ. One pass over the ``[S]`` shard comparing bits, a host sync per leaf: for
+    checkpoint save and export, not for every step."""
     full = engine.with_fp32_master(params, state, where=where)
     master, layout, rank = full.master, engine.layout, engine.comm.rank
     leaves = engine.grad_path.check(params, "params")
     leaves = [x.reshape(-1) for x in (leaf_views(params, layout) if leaves is None else leaves)]
     want = cast_params(master, engine.param_dtype).to(engine.device)  # one copy where the state is offloaded
     differ: dict[int, torch.Tensor] = {}  # leaf -> how many of its elements differ (a leaf is in one run)
+    bits = _BITS[want.dtype]
     for run in leaf_runs(layout, rank):
         got = leaves[run.leaf][run.start : run.start + run.length]
         cast = want[run.shard_at : run.shard_at + run.length]
-        differ[run.leaf] = ((got != cast) & ~(got.isnan() & cast.isnan())).sum()
-    counts = torch.stack(list(differ.values())).tolist() if differ else []  # the one host sync
+        # the same bits (the case of every save, at memory speed); else count, NaN equal to NaN
+        if not torch.equal(got.view(bits), cast.view(bits)):
+            differ[run.leaf] = ((got != cast) & ~(got.isnan() & cast.isnan())).sum()
+    counts = torch.stack(list(differ.values())).tolist() if differ else []
     edited = [f"{layout.paths[i]!r} ({n} of {layout.shapes[i].numel()} elements)" for i, n in zip(differ, counts) if n]
     if edited:
         raise ParamsEditedError(

@@ -74,6 +74,21 @@ def _worker(rank, world_size, tmp, fn, args, init, may_die):
         raise SystemExit(1)
 
 
+def _alone(fn, args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    fn(*args)
+
+
+def start_process(fn, *args):
+    """``fn(*args)`` in a new process from the forkserver (no process group), started: its
+    ``multiprocessing.Process``, for a test that kills it."""
+    require_tier("multirank", "starts a process")
+    proc = _FORKSERVER.Process(target=_alone, args=(fn, args))
+    proc.start()
+    return proc
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0, init: bool = True, may_die=(),
               start: str = "forkserver") -> list:
     """See the module docstring. Ranks in ``may_die`` may exit without a result (``None``);

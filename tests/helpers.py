@@ -442,6 +442,16 @@ CKPT_ONE = sorted([commit.POINTER, commit.MARKER, lock.LOCK, "snapshot-*"])  # a
 CKPT_COMMITTED = sorted(CKPT_ONE + ["snapshot-*"])  # after two saves or more
 
 
+def unwritable_dir(tmp_path) -> str:
+    """A directory in which this process cannot create anything: ``tmp_path/ro`` made read-only,
+    or, for root (whom file modes do not stop), ``/sys`` (sysfs refuses every ``mkdir``)."""
+    if os.geteuid() == 0:
+        return "/sys"
+    ro = os.path.join(tmp_path, "ro")
+    os.mkdir(ro, 0o555)
+    return ro
+
+
 def flip_byte(file, from_end=5):
     """Invert the byte ``from_end`` bytes before the end of ``file`` (in a shard: tensor data)."""
     with open(file, "r+b") as f:

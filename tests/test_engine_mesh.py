@@ -203,7 +203,10 @@ def save_on_mesh(rank, world_size, path):
     engine = make_engine(mesh_of(2, 2))
     carry, _ = train_steps(engine, engine.init(odd_params()), range(SAVED_AT), rank, world_size)
     fzero.checkpoint.save(path, *carry, engine)
+    # the same state in the background, while the steps' collectives run on both groups
+    future = fzero.checkpoint.async_save(path + "-async", *carry, engine)
     _, losses = train_steps(engine, carry, range(SAVED_AT, SAVED_AT + MORE), rank, world_size)
+    future.result()
     return losses
 
 
@@ -225,6 +228,7 @@ def test_checkpoint_saved_on_2x2_loads_on_other_meshes_and_continues_the_same_cu
         "4x1": torch.stack(run_ranks(load_and_continue, 4, path, (4, 1))).mean(0),
         "3 ranks, flat": torch.stack(run_ranks(load_and_continue, 3, path, None)).mean(0),
         "1 process": load_and_continue(0, 1, path, None),
+        "1 process, from async_save": load_and_continue(0, 1, path + "-async", None),
     }
     for name, curve in curves.items():
         torch.testing.assert_close(curve, continued, rtol=1e-6, atol=0, msg=lambda m: f"{name}: {m}")

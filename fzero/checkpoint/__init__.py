@@ -4,6 +4,7 @@ API (every function but ``read_manifest`` is collective: call it on every rank o
 group)::
 
     save(path, params, state, scaler_state, engine, *, extra=None) -> None
+    async_save(path, params, state, scaler_state, engine, *, extra=None) -> Future  # written in the background
     load(path, engine, *, verify=True, hyperparams="engine") -> (params, state, scaler_state, extra)
     export_full(path, params_or_state, engine) -> None
     full_master(params, state, engine) -> pytree     # the whole FP32 master, in memory on every rank
@@ -64,8 +65,8 @@ from .. import lineage
 from ..engine import Engine, ZeroState, cast_params
 from ..flat import unflatten
 from ..scaler import LossScaleState
-from . import commit, files, lock, manifest, reshard
-from .collective import agree, ready
+from . import background, commit, files, lock, manifest, reshard, staging
+from .collective import agree, error_text, ready
 from .commit import need_safetensors, no_hook
 from .export import EXPORT_FORMAT, export_full, full_master
 from .form import engine_form, saved_form
@@ -73,7 +74,7 @@ from .manifest import FORMAT
 from .snapshot import open_snapshot, read_snapshot_manifest, verify_snapshot
 from .strict_json import VERSION, CheckpointError
 
-__all__ = ["CheckpointError", "save", "load", "export_full", "full_master", "read_manifest", "recover", "FORMAT",
+__all__ = ["CheckpointError", "save", "async_save", "load", "export_full", "full_master", "read_manifest", "recover", "FORMAT",
            "VERSION"]
 
 HYPERPARAMS_FROM = ("engine", "checkpoint")
@@ -111,6 +112,7 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     directory; anything else raises ``CheckpointError``. Saves to one path exclude each other:
     while one is in progress (in any process) another raises ``CheckpointError`` on every rank
     ("another save to ... is in progress", naming the holder's pid and host) and changes nothing.
+    A save of the engine still in flight (:func:`async_save`) is waited for first.
 
     ``params``: the params pytree from ``init``/``step``, or its flat buffer
     (``engine.flat_params``), as ``step`` takes them -- of the same step as ``state``. They are
@@ -121,31 +123,105 @@ def save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engi
     any, must be an integer >= 0 and becomes the manifest's ``step``.
     """
     layout, comm = ready(engine, "save(path, params, state, scaler_state, engine)")
+    background.wait_for(engine)
     comm.arrive("checkpoint.save", timeout=engine.call_timeout)
     path = files.absolute(path)
-    rank, n, what = comm.rank, comm.world_size, f"save {path}"
+    contents, extra_text = agree(comm, f"save {path}", lambda: _contents(path, params, state, scaler_state, engine,
+                                                                        extra, staging.borrowed))
+    _write(path, contents, extra_text, engine, layout, comm, _hook)
+
+
+def async_save(path, params: Any, state: ZeroState, scaler_state: LossScaleState, engine: Engine, *,
+               extra: dict | None = None, writer_nice: int = 19, _hook: Callable = no_hook) -> background.SaveFuture:
+    """:func:`save`, written in the background; collective. Returns a ``concurrent.futures.Future``.
+
+    It returns once this rank's part of the snapshot is *staged*: copied into a host buffer
+    (pinned on CUDA; allocated at the engine's first ``async_save`` and reused: one more copy of
+    the rank's ``[S]`` state leaves, :mod:`fzero.checkpoint.staging`). The caller may then step
+    at once, ``donate=True`` included: the snapshot is the state of the call, bit for bit. A
+    writer thread writes it and commits it as ``save`` does, agreeing with the other ranks
+    through the store, never through the engine's process group, so it cannot interleave with
+    the training loop's collectives (:mod:`fzero.comm.store_exchange`).
+
+    ``writer_nice``: the writer thread's CPU priority as a Unix nice value, 0 (the training's own)
+    to 19 (the lowest, the default): the writer then runs on what the training leaves idle, so
+    it slows the steps little even on a CPU whose every core trains, and its write takes longer
+    there (docs/checkpoints.md has both measured). Linux only (per thread); elsewhere ignored.
+
+    ``future.result()`` is ``None`` once the snapshot is committed, or raises the same
+    ``CheckpointError`` on every rank. Errors in the arguments (as ``save`` checks them) raise
+    at the call on the rank that made them, before anything is staged, and reach the other ranks'
+    futures, naming that rank; a rank that does not make the call within the engine's
+    ``call_timeout`` fails the others' futures, naming it. The engine's saves run one at a time, in call order:
+    ``async_save`` and ``save`` first wait for the save in flight. ``fzero.shutdown()`` and the
+    end of the interpreter wait for it too; a failure nobody asked the future about is reported
+    then, or at the engine's next save, with a ``RuntimeWarning`` (:mod:`fzero.checkpoint.background`).
+    """
+    layout, comm = ready(engine, "async_save(path, params, state, scaler_state, engine)")
+    if not (isinstance(writer_nice, int) and not isinstance(writer_nice, bool) and 0 <= writer_nice <= 19):
+        raise ValueError(f"async_save: writer_nice must be an integer from 0 to 19, got {writer_nice!r}")
+    writer = background.writer_of(engine)
+    writer.wait()  # the save before it: committed first, and its staging buffer is free again
+    path = files.absolute(path)
+    what = f"save {path}"
+    # No communication here, so that the call blocks training only for the staging: the ranks'
+    # writers meet in the exchange, whose first round is this call's arrival and agreement.
+    peers = writer.exchange(comm, first_timeout=engine.call_timeout)
+
+    def stage(names, leaves, kinds, scaler, owned):
+        # the replicas of a hybrid mesh other than the first write no shard: they stage none (and
+        # hold no reference to the state, which the next steps may free)
+        return staging.staged(names, leaves, kinds, scaler, owned if comm.replica == 0 else [], writer.buffer)
+
+    try:
+        contents, extra_text = _contents(path, params, state, scaler_state, engine, extra, stage)
+    except Exception as e:
+        peers.post((error_text(e), None))  # the other ranks' writers fail at once, naming this error
+        raise
+
+    def write() -> None:
+        agree(peers, what, lambda: None)  # every rank staged (within the engine's call_timeout)
+        _write(path, contents, extra_text, engine, layout, peers, _hook)
+
+    return writer.submit(path, write, nice=writer_nice)
+
+
+def _contents(path, params, state, scaler_state, engine: Engine, extra, stage) -> tuple:
+    """``(contents, extra_text)``: this rank's part of the snapshot, ``stage``-d
+    (:mod:`fzero.checkpoint.staging`), and ``extra`` as JSON text; the arguments checked."""
+    names, leaves, kinds, extra_text = _check_save_args(path, params, state, scaler_state, engine, extra)
+    return stage(names, leaves, kinds, scaler_state, engine.layout.owned(engine.comm.rank)), extra_text
+
+
+def _write(path: str, contents: staging.Contents, extra_text: str, engine: Engine, layout, peers, hook: Callable) -> None:
+    """The save's three agreed phases (:mod:`fzero.checkpoint.commit`): rank 0 takes the lock and
+    begins a snapshot; every writing rank writes its shard file; rank 0 writes the manifest and
+    commits. ``peers``: whom each phase agrees with -- the engine's communicator (``save``) or
+    a :class:`StoreExchange` (``async_save``'s writer thread)."""
+    rank, n, what = peers.rank, peers.world_size, f"save {path}"
     # With replicas (a hybrid mesh) the first replica's shard ranks write; the others only agree.
-    writer = comm.replica == 0
+    writer = peers.replica == 0
     lead = writer and rank == 0
-    names, leaves, kinds, extra_text = agree(comm, what, lambda: _check_save_args(path, params, state, scaler_state, engine, extra))
     held, committed = {}, []  # rank 0: the save lock and the new snapshot's name, once taken
     try:
-        snapshot = agree(comm, what, lambda: commit.begin(path, held, _hook) if lead else None, gather=True)[0]
+        snapshot = agree(peers, what, lambda: commit.begin(path, held, hook) if lead else None, gather=True)[0]
         directory = os.path.join(path, snapshot)
-        owned = layout.owned(rank)
-        shards = agree(
-            comm, what, lambda: commit.write_shard(directory, rank, n, names, leaves, kinds, owned, _hook) if writer else None,
-            gather=True,
-        )[:n]  # replica-major: the first replica's, in shard order
+
+        def write_shard():
+            contents.ready()
+            return commit.write_shard(directory, rank, n, contents, hook)
+
+        shards = agree(peers, what, lambda: write_shard() if writer else None, gather=True)[:n]  # replica-major
 
         def finish():
             if lead:
-                m = manifest.build_manifest(layout, engine, names, leaves, kinds, scaler_state, extra_text, shards)
-                digest = commit.write_manifest(directory, m, _hook)
-                commit.commit_snapshot(path, snapshot, digest, _hook, held["lock"])
+                m = manifest.build_manifest(layout, engine, contents.names, contents.leaves, contents.kinds,
+                                            contents.scaler, extra_text, shards)
+                digest = commit.write_manifest(directory, m, hook)
+                commit.commit_snapshot(path, snapshot, digest, hook, held["lock"])
                 committed.append(snapshot)
 
-        agree(comm, what, finish)
+        agree(peers, what, finish)
     except CheckpointError:
         if "snapshot" in held and not committed:  # the pointer still names the previous snapshot
             with contextlib.suppress(OSError, CheckpointError):  # (the next save retries; this error is the one)

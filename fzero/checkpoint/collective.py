@@ -15,7 +15,13 @@ from typing import Any, Callable
 from ..engine import Engine
 from .strict_json import CheckpointError
 
-__all__ = ["ready", "agree"]
+__all__ = ["ready", "agree", "error_text"]
+
+
+def error_text(e: Exception) -> str:
+    """How a rank's error reads in an agreed ``CheckpointError``: its message, after its type
+    unless it is a ``CheckpointError``."""
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
 
 def agree(comm, what: str, fn: Callable[[], Any], *, gather: bool = False):
@@ -26,12 +32,12 @@ def agree(comm, what: str, fn: Callable[[], Any], *, gather: bool = False):
     try:
         result, err, exc = fn(), None, None
     except Exception as e:  # noqa: BLE001 -- reported to every rank, then raised
-        result, err, exc = None, str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}", e
+        result, err, exc = None, error_text(e), e
     if comm.data_parallel == 1:
         if exc is not None:
             if isinstance(exc, CheckpointError):
                 raise exc
-            raise CheckpointError(err) from exc
+            raise CheckpointError(f"{what}: {err}") from exc
         return [result] if gather else result
     try:
         gathered = comm.all_gather_object((err, result if gather else None))

@@ -70,9 +70,8 @@ import uuid
 import warnings
 from typing import Callable
 
-from ..flat import concat
-from . import files, lock
-from .durable import file_sha256, fsync_dir, write_atomic
+from . import files, lock, shard_file
+from .durable import fsync_dir, write_atomic
 from .lock import LOCK
 from .manifest import FORMAT, MANIFEST, SHA256, validate_manifest
 from .strict_json import VERSION, CheckpointError, Fields, check_header, dump_json, parse_json
@@ -238,28 +237,19 @@ def begin(path: str, held: dict, hook: Callable) -> str:
     return snapshot
 
 
-def write_shard(directory, rank, world_size, names, leaves, kinds, owned, hook: Callable) -> dict:
-    """Step 2, every rank: its shard file in the snapshot directory; its manifest entry.
-
-    ``owned``: the rank's ``Layout.owned`` ranges; each ``[S]`` leaf is stored as the real
-    elements of those ranges, back to back (no padding)."""
-    need_safetensors()
+def write_shard(directory: str, rank: int, world_size: int, contents, hook: Callable) -> dict:
+    """Step 2, every rank: its shard file in the snapshot directory (``contents``: the rank's
+    :class:`fzero.checkpoint.staging.Contents`, each ``[S]`` leaf's real elements of the ranks'
+    owned ranges, back to back, no padding; :mod:`fzero.checkpoint.shard_file`); its manifest entry."""
     fname = f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
     file = os.path.join(directory, fname)
-    os.close(files.create(file))  # a new regular file (not a link planted there), which save_file fills
-    segments = [[g0, g1] for g0, g1, _ in owned]
-    tensors = {}
-    for name, leaf, kind in zip(names, leaves, kinds):
-        if kind == "shard":
-            parts = [leaf.detach()[p : p + g1 - g0] for g0, g1, p in owned]
-            tensors[name] = (concat(parts) if parts else leaf.new_empty(0)).to("cpu").contiguous()
     meta = {"format": FORMAT, "version": str(VERSION), "rank": str(rank), "world_size": str(world_size),
-            "segments": json.dumps(segments)}
-    save_file(tensors, file, metadata=meta)
+            "segments": json.dumps(contents.segments)}
+    parts = (part for e in contents.entries for part in contents.parts[e.name])
+    sha, size = shard_file.write(file, shard_file.header(contents.entries, meta), parts)
     hook("shard_written", file=file, rank=rank)
-    sha, size = file_sha256(file, fsync=True)
     fsync_dir(directory)
-    return {"file": fname, "rank": rank, "segments": segments, "bytes": size, "sha256": sha}
+    return {"file": fname, "rank": rank, "segments": contents.segments, "bytes": size, "sha256": sha}
 
 
 def write_manifest(directory: str, manifest: dict, hook: Callable) -> str:

@@ -76,6 +76,11 @@ class Comm(Communicator):
         collectives = collectives or for_backend(dist.get_backend(group), rank, world_size)
         return cls(name_of(group), rank, world_size, name_of(requested), collectives=collectives)
 
+    @property
+    def data_parallel_name(self) -> str:
+        """A name of this group's set of ranks, the same on each of them (keys in the store)."""
+        return str(self.group)
+
     def process_group(self):
         """The ``ProcessGroup`` object, resolved now (off the hot path: barriers, objects)."""
         return group_named(self.group)

@@ -37,6 +37,12 @@ class HybridComm(Comm):
     replicate: str | None = None  # the replicate group's name
     replica: int = 0  # this rank's index in it
     replicas: int = 1  # its size
+    mesh_ranks: tuple[int, ...] = ()  # the mesh's global ranks, replica-major: the same on every rank
+
+    @property
+    def data_parallel_name(self) -> str:
+        """The mesh's ranks: no group's name is common to all of them (each shard group has its own)."""
+        return "mesh-" + ",".join(map(str, self.mesh_ranks))
 
     @classmethod
     def of_mesh(cls, mesh, *, collectives: Collectives | None = None) -> "HybridComm":
@@ -46,8 +52,8 @@ class HybridComm(Comm):
         shutdown_at_exit()
         rank, world_size = dist.get_rank(shard), dist.get_world_size(shard)
         collectives = collectives or for_backend(dist.get_backend(shard), rank, world_size)
-        return cls(name_of(shard), rank, world_size, name_of(shard),
-                   name_of(rep), dist.get_rank(rep), dist.get_world_size(rep), collectives=collectives)
+        return cls(name_of(shard), rank, world_size, name_of(shard), name_of(rep), dist.get_rank(rep),
+                   dist.get_world_size(rep), tuple(mesh.mesh.flatten().tolist()), collectives=collectives)
 
     def arrive(self, what: str, *, timeout: float) -> None:
         super().arrive(what, timeout=timeout)

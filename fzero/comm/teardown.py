@@ -24,9 +24,17 @@ import torch._dynamo  # noqa: E402,F401 -- before any process group exists: see 
 
 from . import arrival  # noqa: E402
 
-__all__ = ["shutdown", "shutdown_at_exit"]
+__all__ = ["shutdown", "shutdown_at_exit", "before_shutdown"]
 
 _exit_hook_registered = False
+_before: list = []  # what shutdown first waits for: work in flight that still needs the group (before_shutdown)
+
+
+def before_shutdown(fn) -> None:
+    """Have ``shutdown`` call ``fn()`` first, before it waits for the other ranks: a layer above
+    the communicators (the checkpoint writer) ends its work in flight there. Registered once per
+    process, at import."""
+    _before.append(fn)
 
 
 def shutdown_at_exit() -> None:
@@ -50,8 +58,11 @@ def shutdown(*, barrier: bool = True, at_exit: bool = False, timeout: float = 60
     process exits, which ends its peers' collectives too (a collective of this rank may still be
     in flight: destroying the group would wait for it).
 
-    Call it on every rank at the end of a torchrun script (it is a no-op when no process
-    group is initialized). Destroying the group joins the backend's threads (gloo's workers
+    First it waits for the work in flight registered with :func:`before_shutdown` -- every
+    checkpoint ``async_save`` still writing, whose failure it reports -- also with no process group.
+
+    Call it on every rank at the end of a torchrun script (with no process group initialized it
+    only does the above). Destroying the group joins the backend's threads (gloo's workers
     and socket loop) while the interpreter is still alive; a backend that outlives it runs
     those threads through interpreter shutdown, where a rank could abort with ``terminate
     called without an active exception``. The barrier keeps a rank from tearing its
@@ -60,13 +71,17 @@ def shutdown(*, barrier: bool = True, at_exit: bool = False, timeout: float = 60
     still holds a ``ProcessGroup`` object of its own then, which keeps the backend alive: a
     ``RuntimeWarning`` says so. The exit hook does nothing after an uncaught exception (a
     collective may still be in flight; destroying the group would wait for it)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
     if at_exit and (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None:
         return  # an uncaught exception ends the script: a collective may still be in flight, don't wait on it
+    initialized = dist.is_available() and dist.is_initialized()
     failing = sys.exc_info()[1]
     if failing is not None and not at_exit:
-        arrival.report_failure(failing)
+        if initialized:
+            arrival.report_failure(failing)
+        return
+    for fn in _before:
+        fn()
+    if not initialized:
         return
     group = dist.group.WORLD
     if barrier:

@@ -1,0 +1,156 @@
+"""Saves written in the background: one writer per engine, one save in flight, in call order.
+
+``async_save`` stages the rank's part of the snapshot in the caller (:mod:`.staging`), then hands
+the write and the commit to a thread and returns a :class:`SaveFuture`. Why a thread, not a
+process: the thread spends its time in ``os.write``, ``fsync`` and ``hashlib`` on large buffers,
+all of which release the GIL (:mod:`.shard_file`), so the training loop keeps the GIL; a writer
+process would need the staging buffer in shared memory and a process per rank for the same
+system calls (``benchmarks/checkpoint.py`` measures both: docs/checkpoints.md).
+
+An engine's saves run one at a time: a save (``save`` or ``async_save``) first waits for the
+one in flight, so snapshots commit in call order and one staging buffer serves every save. The
+writer thread (one per engine, a ``ThreadPoolExecutor`` of one, started at the engine's first
+``async_save``) is joined at interpreter exit, after the work it has, before ``atexit`` runs; ``fzero.shutdown()`` waits for every engine's save in flight first. A save that failed
+and whose future nobody asked (``result()``, ``exception()``) is reported when the next save of
+the engine starts or at shutdown, with a ``RuntimeWarning`` naming the path and the error, so a
+failure is never lost silently.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from ..comm import teardown
+from ..comm.store_exchange import StoreExchange, own_connection
+from .staging import StagingBuffer
+
+__all__ = ["SaveFuture", "Writer", "writer_of", "wait_for", "wait_all"]
+
+
+class SaveFuture(Future):
+    """The future of one ``async_save``: ``result()`` is ``None`` once the snapshot is committed,
+    or raises its ``CheckpointError`` (the same on every rank). ``path``: the checkpoint."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self._asked = path, False
+
+    def result(self, timeout=None):
+        self._asked = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self._asked = True
+        return super().exception(timeout)
+
+    def report(self) -> None:
+        """Wait for it; if it failed and nobody asked, warn, naming the path and the error."""
+        error = super().exception()
+        if error is not None and not self._asked:
+            self._asked = True
+            warnings.warn(f"fzero.checkpoint.async_save to {self.path} failed, and its future was never asked: {error}",
+                          RuntimeWarning, stacklevel=3)
+
+
+class Writer:
+    """An engine's background saves: the staging buffer, the writer thread, the save in flight,
+    the store connection its exchanges use (module doc)."""
+
+    def __init__(self):
+        self.buffer = StagingBuffer()
+        self.pending: SaveFuture | None = None
+        self.thread, self.nice = None, None  # the writer thread (a ThreadPoolExecutor of one), and its nice
+        self.store = None  # its own connection to the store, made at the first exchange with other ranks
+
+    def wait(self) -> None:
+        """Until the engine's save in flight, if any, has ended (reported: :meth:`SaveFuture.report`)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.report()
+
+    def exchange(self, comm, *, first_timeout: float) -> StoreExchange:
+        """The exchange of the engine's next background save with the other ranks' writers: its key
+        is the count of background saves made on ``comm``'s ranks, the same on every rank with no
+        communication (each rank makes the same calls in the same order); ``first_timeout``: how
+        long the first round waits for the other ranks to make the call."""
+        group = comm.data_parallel_name
+        n = _calls[group] = _calls.get(group, 0) + 1
+        if self.store is None and comm.data_parallel > 1:
+            self.store = own_connection()
+        return StoreExchange.of(comm, self.store, f"save/{group}/{n}", first_timeout=first_timeout)
+
+    def submit(self, path: str, write: Callable[[], None], *, nice: int) -> SaveFuture:
+        """Run ``write`` in the writer thread, at CPU priority ``nice`` (:func:`lower_priority`);
+        its future. Call :meth:`wait` first."""
+        if self.nice != nice:  # a thread's nice only goes up (without privileges): a new thread
+            if self.thread is not None:
+                self.thread.shutdown(wait=True)
+            self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fzero-checkpoint-writer",
+                                             initializer=lower_priority, initargs=(nice,))
+            self.nice = nice
+        future = self.pending = SaveFuture(path)
+        future.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # noqa: BLE001 -- delivered through the future
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+
+        self.thread.submit(run)
+        return future
+
+
+def lower_priority(nice: int) -> None:
+    """Set the calling thread's nice value to ``nice`` (Linux: each thread has its own; elsewhere,
+    where only a process has one, nothing changes)."""
+    if nice and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+_writers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # engine -> its Writer (off the hot path)
+_calls: dict[str, int] = {}  # data-parallel group -> background saves made on it (as arrival counts calls)
+
+
+def writer_of(engine) -> Writer:
+    """The engine's writer, made at its first background save."""
+    writer = _writers.get(engine)
+    if writer is None:
+        writer = _writers[engine] = Writer()
+    return writer
+
+
+def wait_for(engine) -> None:
+    """Wait for the engine's save in flight, if any (a save waits for it: call order)."""
+    writer = _writers.get(engine)
+    if writer is not None:
+        writer.wait()
+
+
+def wait_all() -> None:
+    """Wait for every engine's save in flight, reporting unasked failures (``fzero.shutdown``)."""
+    for writer in list(_writers.values()):
+        writer.wait()
+
+
+def _before_shutdown() -> None:
+    """``fzero.shutdown``: wait for the saves in flight; the groups (and their store) end next,
+    so the counts start again from zero, on every rank alike."""
+    wait_all()
+    _calls.clear()
+    for writer in list(_writers.values()):
+        writer.store = None
+
+
+teardown.before_shutdown(_before_shutdown)
+atexit.register(wait_all)  # without fzero.shutdown (one process, no group): still reported at exit
