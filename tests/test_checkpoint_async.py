@@ -84,6 +84,8 @@ def test_saves_commit_in_call_order_with_one_staging_buffer(tmp_path):
     assert len(previous) == 1 and read_snapshot_step(path, previous[0]) == 2  # and the one before it
     ck.save(path, params, state, ss, engine, extra={"step": 4})
     assert ck.read_manifest(path)["step"] == 4 and ckpt_entries(path) == CKPT_COMMITTED
+    ck.async_save(path, params, state, ss, engine, extra={"step": 5})
+    assert ck.load(path, engine)[3] == {"step": 5}  # a load of the engine waits for its save in flight
     # the staging buffer holds the shard file's data: the real elements (no padding) of the rank's
     # [S] leaves, master, mu, nu in FP32 and the weight-decay mask as bool
     real = engine.layout.numel

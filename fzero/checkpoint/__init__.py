@@ -152,14 +152,13 @@ def async_save(path, params: Any, state: ZeroState, scaler_state: LossScaleState
     ``CheckpointError`` on every rank. Errors in the arguments (as ``save`` checks them) raise
     at the call on the rank that made them, before anything is staged, and reach the other ranks'
     futures, naming that rank; a rank that does not make the call within the engine's
-    ``call_timeout`` fails the others' futures, naming it. The engine's saves run one at a time, in call order:
-    ``async_save`` and ``save`` first wait for the save in flight. ``fzero.shutdown()`` and the
-    end of the interpreter wait for it too; a failure nobody asked the future about is reported
-    then, or at the engine's next save, with a ``RuntimeWarning`` (:mod:`fzero.checkpoint.background`).
+    ``call_timeout`` fails the others' futures, naming it. The engine's saves run one at a time,
+    in call order: ``async_save`` and ``save`` first wait for the save in flight.
+    ``fzero.shutdown()`` and the end of the interpreter wait for it too; a failure nobody asked
+    the future about is reported then, or at the engine's next save, with a ``RuntimeWarning``
+    (:mod:`fzero.checkpoint.background`).
     """
     layout, comm = ready(engine, "async_save(path, params, state, scaler_state, engine)")
-    if not (isinstance(writer_nice, int) and not isinstance(writer_nice, bool) and 0 <= writer_nice <= 19):
-        raise ValueError(f"async_save: writer_nice must be an integer from 0 to 19, got {writer_nice!r}")
     writer = background.writer_of(engine)
     writer.wait()  # the save before it: committed first, and its staging buffer is free again
     path = files.absolute(path)
@@ -174,6 +173,8 @@ def async_save(path, params: Any, state: ZeroState, scaler_state: LossScaleState
         return staging.staged(names, leaves, kinds, scaler, owned if comm.replica == 0 else [], writer.buffer)
 
     try:
+        if not (isinstance(writer_nice, int) and not isinstance(writer_nice, bool) and 0 <= writer_nice <= 19):
+            raise ValueError(f"async_save: writer_nice must be an integer from 0 to 19, got {writer_nice!r}")
         contents, extra_text = _contents(path, params, state, scaler_state, engine, extra, stage)
     except Exception as e:
         peers.post((error_text(e), None))  # the other ranks' writers fail at once, naming this error
@@ -263,6 +264,9 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
     ``CheckpointError`` naming the snapshots that have a valid manifest (see :func:`recover`).
     A manifest with a value out of its range or type raises ``CheckpointError`` naming the field.
 
+    A save of the engine still in flight (:func:`async_save`) is waited for first, so a load
+    after an ``async_save`` to ``path`` reads that save's snapshot.
+
     ``verify``: check the sha256 of every shard file first, each file hashed by one rank (the
     one that reads most of it). Each rank then reads only the element ranges of the old files
     that overlap its new shard.
@@ -271,6 +275,7 @@ def load(path, engine: Engine, *, verify: bool = True, hyperparams: str = "engin
         raise ValueError(f"hyperparams must be one of {HYPERPARAMS_FROM}, got {hyperparams!r}")
     need_safetensors()
     layout, comm = ready(engine, "load(path, engine)")
+    background.wait_for(engine)  # an async_save of the engine in flight: committed (or failed) first
     comm.arrive("checkpoint.load", timeout=engine.call_timeout)
     path = files.absolute(path)
     rank, what = comm.rank, f"load {path}"

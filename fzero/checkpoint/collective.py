@@ -7,6 +7,10 @@ raises the same :class:`CheckpointError`, naming the rank(s), the file and, for 
 state mismatch, the leaf. No rank is left waiting in a collective for a rank that gave up.
 A rank that dies outright ends the others' wait through the process group (gloo reports the
 closed connection at once; NCCL through its timeout/watchdog).
+
+``async_save``'s writer thread agrees the same way through a
+:class:`fzero.comm.store_exchange.StoreExchange` in place of the communicator (``agree`` needs
+only ``data_parallel``, ``rank`` and ``all_gather_object``), never through the process group.
 """
 from __future__ import annotations
 
