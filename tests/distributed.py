@@ -28,8 +28,11 @@ import fzero
 
 _FORKSERVER = mp.get_context("forkserver")
 # Imported once in the forkserver, which runs no tensor op: no thread pool starts there (a fork of
-# a process with a running OpenMP pool may hang in the child).
-_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "fzero", "fzero.transforms", "fzero.models", "distributed"])
+# a process with a running OpenMP pool may hang in the child). torch._dynamo.repro.after_dynamo is
+# what the first torch.compile() imports (engine.init makes the compiled update's wrapper: some
+# 0.2 s per rank process otherwise); helpers, what most rank functions use.
+_FORKSERVER.set_forkserver_preload(["torch", "torch.distributed", "fzero", "fzero.transforms", "fzero.models",
+                                    "torch._dynamo.repro.after_dynamo", "distributed", "helpers"])
 
 
 def init_group(rank: int, world_size: int, timeout: float = 60.0) -> None:
