@@ -6,6 +6,7 @@ background writes always leaves a checkpoint that loads and verifies.
 References: the state's global view taken at the call (``helpers.global_view``), loaded back
 from the committed snapshot and compared bit for bit.
 """
+import gc
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import optree
 import pytest
@@ -95,6 +97,20 @@ def test_saves_commit_in_call_order_with_one_staging_buffer(tmp_path):
 def read_snapshot_step(path, snapshot):
     with open(os.path.join(path, snapshot, manifest.MANIFEST)) as f:
         return json.load(f)["step"]
+
+
+def test_the_staging_buffer_and_the_writer_go_with_their_engine(tmp_path):
+    engine = ckpt_engine()
+    params, state, ss = ckpt_trained(engine, 1)
+    ck.async_save(tmp_path / "c", params, state, ss, engine).result()
+    writer = background.writer_of(engine)
+    buffer, alive = weakref.ref(writer.buffer.buffer), weakref.ref(engine)
+    (thread,) = writer.thread._threads  # this engine's writer thread (ThreadPoolExecutor's own set)
+    del engine, params, state, ss, writer
+    gc.collect()
+    assert alive() is None and buffer() is None  # nothing of the saves keeps them
+    thread.join(10)
+    assert not thread.is_alive()  # the writer thread ended with its engine
 
 
 def test_sync_save_and_async_save_write_the_same_files(tmp_path):
@@ -225,10 +241,10 @@ def save_while_training(rank, world_size, tmp):
         wrong = str(wrong.exception())
     except ck.CheckpointError as e:
         wrong = f"at the call: {e}"
-    # rank 1 does not make the call (the last background save of the group: the ranks' counts differ after it)
-    late = ckpt_engine(call_timeout=1.0)
-    late.init(ckpt_params())
-    missing = str(ck.async_save(os.path.join(tmp, "c7"), params, state, ss, late).exception()) if rank == 0 else None
+    # rank 1 does not make the call (the last background save of the group: the ranks' counts
+    # differ after it); rank 0's writer waits the engine's call_timeout for it
+    engine.call_timeout = 1.0
+    missing = str(ck.async_save(os.path.join(tmp, "c7"), params, state, ss, engine).exception()) if rank == 0 else None
     return views, error, sorted(set(callers)), wrong, missing
 
 
