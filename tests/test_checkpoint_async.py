@@ -105,7 +105,7 @@ def test_the_staging_buffer_and_the_writer_go_with_their_engine(tmp_path):
     ck.async_save(tmp_path / "c", params, state, ss, engine).result()
     writer = background.writer_of(engine)
     buffer, alive = weakref.ref(writer.buffer.buffer), weakref.ref(engine)
-    (thread,) = writer.thread._threads  # this engine's writer thread (ThreadPoolExecutor's own set)
+    thread = writer.thread
     del engine, params, state, ss, writer
     gc.collect()
     assert alive() is None and buffer() is None  # nothing of the saves keeps them
@@ -303,6 +303,49 @@ def test_interpreter_exit_waits_for_the_write_and_reports_its_failure(tmp_path):
     assert out.returncode == 0 and out.stdout == "returned\n", out.stderr
     assert ck.read_manifest(good)["step"] == 2  # the first save was committed before the process ended
     assert f"async_save to {bad} failed, and its future was never asked" in out.stderr, out.stderr
+
+
+PEER_DIES = """
+import datetime, os, sys, time
+sys.path.insert(0, {tests!r})
+import torch.distributed as dist
+from helpers import ckpt_engine, ckpt_steps, ckpt_trained
+from fzero import checkpoint as ck
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + {rendezvous!r}, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=120))
+engine = ckpt_engine(call_timeout=2.0)
+params, state, ss = ckpt_trained(engine, 2)
+
+def die(where, **info):
+    if where == "shard_written" and rank == 1:
+        os._exit(3)  # rank 1 dies in the middle of the save, in its writer thread
+
+ck.async_save({path!r}, params, state, ss, engine, _hook=die)
+time.sleep(0.5)
+print("stepping", flush=True)
+ckpt_steps(engine, params, state, ss, range(2, 4))  # rank 0: its peer is gone, the step raises, uncaught
+"""
+
+
+@pytest.mark.multirank
+def test_a_peer_dying_mid_save_does_not_hold_the_survivor_at_exit(tmp_path):
+    """The survivor's writer waits for the dead rank's part of the save until the store's timeout
+    (120 s here); the survivor's step fails at once, and its exit through that exception waits
+    only the engine's call_timeout (2 s) for the save, then says it did not."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = PEER_DIES.format(tests=tests, rendezvous=str(tmp_path / "rendezvous"), path=str(tmp_path / "c"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for r in range(2)]
+    out1, _ = procs[1].communicate(timeout=120)
+    start = time.monotonic()
+    out0, err0 = procs[0].communicate(timeout=120)
+    assert procs[1].returncode == 3
+    assert procs[0].returncode == 1 and time.monotonic() - start < 60, err0  # not the store's 120 s
+    assert f"async_save to {tmp_path / 'c'} was still writing when the script ended with an exception; not " \
+           "waited for beyond 2 s" in err0, err0
+    assert "Traceback" in err0  # the step's own error is shown
 
 
 # ------------------------------------------------------------------ killed during background writes

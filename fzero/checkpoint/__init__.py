@@ -154,8 +154,9 @@ def async_save(path, params: Any, state: ZeroState, scaler_state: LossScaleState
     futures, naming that rank; a rank that does not make the call within the engine's
     ``call_timeout`` fails the others' futures, naming it. The engine's saves run one at a time,
     in call order: ``async_save`` and ``save`` first wait for the save in flight.
-    ``fzero.shutdown()`` and the end of the interpreter wait for it too; a failure nobody asked
-    the future about is reported then, or at the engine's next save, with a ``RuntimeWarning``
+    ``fzero.shutdown()`` and the end of the interpreter wait for it too (an end through an
+    uncaught exception at most ``call_timeout``); a failure nobody asked the future about is
+    reported then, or at the engine's next save, with a ``RuntimeWarning``
     (:mod:`fzero.checkpoint.background`).
     """
     layout, comm = ready(engine, "async_save(path, params, state, scaler_state, engine)")
@@ -184,7 +185,7 @@ def async_save(path, params: Any, state: ZeroState, scaler_state: LossScaleState
         agree(peers, what, lambda: None)  # every rank staged (within the engine's call_timeout)
         _write(path, contents, extra_text, engine, layout, peers, _hook)
 
-    return writer.submit(path, write, nice=writer_nice)
+    return writer.submit(path, write, nice=writer_nice, timeout=engine.call_timeout)
 
 
 def _contents(path, params, state, scaler_state, engine: Engine, extra, stage) -> tuple:

@@ -9,22 +9,29 @@ system calls (``benchmarks/checkpoint.py`` measures both: docs/checkpoints.md).
 
 An engine's saves run one at a time: a save (``save`` or ``async_save``) first waits for the
 one in flight, so snapshots commit in call order and one staging buffer serves every save. The
-writer thread (one per engine, a ``ThreadPoolExecutor`` of one, started at the engine's first
-``async_save``) is joined at interpreter exit, after the work it has, before ``atexit`` runs; ``fzero.shutdown()`` waits for every engine's save in flight first. A save that failed
-and whose future nobody asked (``result()``, ``exception()``) is reported when the next save of
-the engine starts or at shutdown, with a ``RuntimeWarning`` naming the path and the error, so a
-failure is never lost silently.
+writer thread (one per engine, started at its first ``async_save``, ended with it) is a daemon:
+what waits for a save in flight is fzero, explicitly -- ``fzero.shutdown()``, and at interpreter
+exit an ``atexit`` hook. A normal exit waits for the save to end. An exit through an uncaught
+exception waits at most the engine's ``call_timeout``, then warns that the save was not waited
+for (the checkpoint keeps its previous snapshot): the exception may be a peer's death, and a
+writer waiting for that peer's part of the save would otherwise hold the process until the
+store's timeout (30 minutes by default). A save that failed and whose future nobody asked
+(``result()``, ``exception()``) is reported when the next save of the engine starts or at
+shutdown or exit, with a ``RuntimeWarning`` naming the path and the error, so a failure is never
+lost silently.
 """
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import os
+import queue
 import sys
 import threading
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable
 
 from ..comm import teardown
@@ -50,9 +57,10 @@ class SaveFuture(Future):
         self._asked = True
         return super().exception(timeout)
 
-    def report(self) -> None:
-        """Wait for it; if it failed and nobody asked, warn, naming the path and the error."""
-        error = super().exception()
+    def report(self, timeout: float | None = None) -> None:
+        """Wait for it (``concurrent.futures.TimeoutError`` after ``timeout`` seconds); if it
+        failed and nobody asked, warn, naming the path and the error."""
+        error = super().exception(timeout)
         if error is not None and not self._asked:
             self._asked = True
             warnings.warn(f"fzero.checkpoint.async_save to {self.path} failed, and its future was never asked: {error}",
@@ -66,14 +74,23 @@ class Writer:
     def __init__(self):
         self.buffer = StagingBuffer()
         self.pending: SaveFuture | None = None
-        self.thread, self.nice = None, None  # the writer thread (a ThreadPoolExecutor of one), and its nice
+        self.jobs: queue.SimpleQueue | None = None  # the writer thread's work; None ends it
+        self.thread: threading.Thread | None = None
+        self.nice: int | None = None  # the thread's nice value
+        self.timeout = 60.0  # seconds an exit through an exception waits for the save in flight (call_timeout)
         self.store = None  # its own connection to the store, made at the first exchange with other ranks
 
-    def wait(self) -> None:
-        """Until the engine's save in flight, if any, has ended (reported: :meth:`SaveFuture.report`)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.report()
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the engine's save in flight, if any, has ended (reported: :meth:`SaveFuture.report`),
+        or ``timeout`` seconds have passed; whether it ended."""
+        if self.pending is None:
+            return True
+        try:
+            self.pending.report(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        self.pending = None
+        return True
 
     def exchange(self, comm, *, first_timeout: float) -> StoreExchange:
         """The exchange of the engine's next background save with the other ranks' writers: its key
@@ -86,28 +103,37 @@ class Writer:
             self.store = own_connection()
         return StoreExchange.of(comm, self.store, f"save/{group}/{n}", first_timeout=first_timeout)
 
-    def submit(self, path: str, write: Callable[[], None], *, nice: int) -> SaveFuture:
+    def submit(self, path: str, write: Callable[[], None], *, nice: int, timeout: float) -> SaveFuture:
         """Run ``write`` in the writer thread, at CPU priority ``nice`` (:func:`lower_priority`);
-        its future. Call :meth:`wait` first."""
+        its future. ``timeout``: the engine's ``call_timeout`` (module doc). Call :meth:`wait` first."""
         if self.nice != nice:  # a thread's nice only goes up (without privileges): a new thread
-            if self.thread is not None:
-                self.thread.shutdown(wait=True)
-            self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fzero-checkpoint-writer",
-                                             initializer=lower_priority, initargs=(nice,))
-            self.nice = nice
+            if self.jobs is not None:
+                self.jobs.put(None)
+            self.jobs, self.nice = queue.SimpleQueue(), nice
+            self.thread = threading.Thread(target=_serve, args=(self.jobs, nice), name="fzero-checkpoint-writer",
+                                           daemon=True)
+            self.thread.start()
+            weakref.finalize(self, self.jobs.put, None)  # the thread ends with its writer (its engine)
         future = self.pending = SaveFuture(path)
         future.set_running_or_notify_cancel()
-
-        def run() -> None:
-            try:
-                write()
-            except BaseException as e:  # noqa: BLE001 -- delivered through the future
-                future.set_exception(e)
-            else:
-                future.set_result(None)
-
-        self.thread.submit(run)
+        self.timeout = timeout
+        self.jobs.put((future, write))
         return future
+
+
+def _serve(jobs: queue.SimpleQueue, nice: int) -> None:
+    """The writer thread: each ``(future, write)`` of ``jobs`` in turn, until ``None``. Holds no
+    reference to its ``Writer``, so the writer (and its buffer) go with the engine."""
+    lower_priority(nice)
+    while (job := jobs.get()) is not None:
+        future, write = job
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001 -- delivered through the future
+            future.set_exception(e)
+        else:
+            future.set_result(None)
+        del job, future, write  # nothing of the save stays alive while the thread waits for the next
 
 
 def lower_priority(nice: int) -> None:
@@ -152,5 +178,16 @@ def _before_shutdown() -> None:
         writer.store = None
 
 
+def _at_exit() -> None:
+    """Interpreter exit (module doc): wait for the saves in flight, at most ``call_timeout``
+    each when an uncaught exception ends the script."""
+    failing = (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None
+    for writer in list(_writers.values()):
+        if not writer.wait(writer.timeout if failing else None):
+            warnings.warn(f"fzero.checkpoint.async_save to {writer.pending.path} was still writing when the script "
+                          f"ended with an exception; not waited for beyond {writer.timeout:g} s: the checkpoint keeps "
+                          "its previous snapshot", RuntimeWarning, stacklevel=1)
+
+
 teardown.before_shutdown(_before_shutdown)
-atexit.register(wait_all)  # without fzero.shutdown (one process, no group): still reported at exit
+atexit.register(_at_exit)  # registered first, so it runs after fzero.shutdown's own exit hook
