@@ -27,7 +27,7 @@ import torch
 from ..scaler import LossScaleState
 from .shard_file import Entry, order
 
-__all__ = ["Contents", "StagingBuffer", "borrowed", "staged"]
+__all__ = ["Contents", "StagingBuffer", "borrowed", "staged", "nbytes"]
 
 
 class Contents(NamedTuple):
