@@ -74,8 +74,8 @@ from .manifest import FORMAT
 from .snapshot import open_snapshot, read_snapshot_manifest, verify_snapshot
 from .strict_json import VERSION, CheckpointError
 
-__all__ = ["CheckpointError", "save", "async_save", "load", "export_full", "full_master", "read_manifest", "recover", "FORMAT",
-           "VERSION"]
+__all__ = ["CheckpointError", "save", "async_save", "load", "export_full", "full_master", "read_manifest", "recover",
+           "FORMAT", "VERSION"]
 
 HYPERPARAMS_FROM = ("engine", "checkpoint")
 

@@ -43,11 +43,13 @@ __all__ = ["SaveFuture", "Writer", "writer_of", "wait_for", "wait_all"]
 
 class SaveFuture(Future):
     """The future of one ``async_save``: ``result()`` is ``None`` once the snapshot is committed,
-    or raises its ``CheckpointError`` (the same on every rank). ``path``: the checkpoint."""
+    or raises its ``CheckpointError`` (the same on every rank). ``path``: the checkpoint;
+    ``exit_timeout``: how long an exit through an uncaught exception waits for it (the engine's
+    ``call_timeout``, module doc)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, exit_timeout: float):
         super().__init__()
-        self.path, self._asked = path, False
+        self.path, self.exit_timeout, self._asked = path, exit_timeout, False
 
     def result(self, timeout=None):
         self._asked = True
@@ -77,7 +79,6 @@ class Writer:
         self.jobs: queue.SimpleQueue | None = None  # the writer thread's work; None ends it
         self.thread: threading.Thread | None = None
         self.nice: int | None = None  # the thread's nice value
-        self.timeout = 60.0  # seconds an exit through an exception waits for the save in flight (call_timeout)
         self.store = None  # its own connection to the store, made at the first exchange with other ranks
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -114,9 +115,8 @@ class Writer:
                                            daemon=True)
             self.thread.start()
             weakref.finalize(self, self.jobs.put, None)  # the thread ends with its writer (its engine)
-        future = self.pending = SaveFuture(path)
+        future = self.pending = SaveFuture(path, timeout)
         future.set_running_or_notify_cancel()
-        self.timeout = timeout
         self.jobs.put((future, write))
         return future
 
@@ -181,11 +181,12 @@ def _before_shutdown() -> None:
 def _at_exit() -> None:
     """Interpreter exit (module doc): wait for the saves in flight, at most ``call_timeout``
     each when an uncaught exception ends the script."""
-    failing = (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None
+    failing = teardown.ending_on_exception()
     for writer in list(_writers.values()):
-        if not writer.wait(writer.timeout if failing else None):
-            warnings.warn(f"fzero.checkpoint.async_save to {writer.pending.path} was still writing when the script "
-                          f"ended with an exception; not waited for beyond {writer.timeout:g} s: the checkpoint keeps "
+        pending = writer.pending
+        if pending is not None and not writer.wait(pending.exit_timeout if failing else None):
+            warnings.warn(f"fzero.checkpoint.async_save to {pending.path} was still writing when the script ended "
+                          f"with an exception; not waited for beyond {pending.exit_timeout:g} s: the checkpoint keeps "
                           "its previous snapshot", RuntimeWarning, stacklevel=1)
 
 

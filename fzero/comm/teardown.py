@@ -24,7 +24,7 @@ import torch._dynamo  # noqa: E402,F401 -- before any process group exists: see 
 
 from . import arrival  # noqa: E402
 
-__all__ = ["shutdown", "shutdown_at_exit", "before_shutdown"]
+__all__ = ["shutdown", "shutdown_at_exit", "before_shutdown", "ending_on_exception"]
 
 _exit_hook_registered = False
 _before: list = []  # what shutdown first waits for: work in flight that still needs the group (before_shutdown)
@@ -35,6 +35,12 @@ def before_shutdown(fn) -> None:
     the communicators (the checkpoint writer) ends its work in flight there. Registered once per
     process, at import."""
     _before.append(fn)
+
+
+def ending_on_exception() -> bool:
+    """At interpreter exit: whether an uncaught exception is ending the script (the interpreter
+    keeps it in ``sys.last_exc``, ``sys.last_value`` before Python 3.12)."""
+    return (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None
 
 
 def shutdown_at_exit() -> None:
@@ -71,7 +77,7 @@ def shutdown(*, barrier: bool = True, at_exit: bool = False, timeout: float = 60
     still holds a ``ProcessGroup`` object of its own then, which keeps the backend alive: a
     ``RuntimeWarning`` says so. The exit hook does nothing after an uncaught exception (a
     collective may still be in flight; destroying the group would wait for it)."""
-    if at_exit and (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)) is not None:
+    if at_exit and ending_on_exception():
         return  # an uncaught exception ends the script: a collective may still be in flight, don't wait on it
     initialized = dist.is_available() and dist.is_initialized()
     failing = sys.exc_info()[1]
