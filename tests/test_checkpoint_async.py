@@ -280,7 +280,13 @@ def test_shutdown_waits_for_the_save_in_flight_and_reports_an_unasked_failure(tm
         fzero.shutdown()  # reported once
 
 
-EXITING = """
+# The first line of a script: at its very end (the exit hook registered first runs last), whether
+# fzero's writer thread is still alive, which the finalizing interpreter would end inside a torch
+# call (``fzero.checkpoint.background``'s module doc).
+WRITER_AT_END = ("import atexit, threading; atexit.register(lambda: print('writer thread', 'alive' if any("
+                 "t.name == 'fzero-checkpoint-writer' for t in threading.enumerate()) else 'ended', flush=True))")
+
+EXITING = WRITER_AT_END + """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import ckpt_engine, ckpt_trained
@@ -300,12 +306,12 @@ def test_interpreter_exit_waits_for_the_write_and_reports_its_failure(tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     out = subprocess.run([sys.executable, "-c", EXITING.format(tests=tests, good=good, bad=bad)],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0 and out.stdout == "returned\n", out.stderr
+    assert out.returncode == 0 and out.stdout == "returned\nwriter thread ended\n", out.stderr
     assert ck.read_manifest(good)["step"] == 2  # the first save was committed before the process ended
     assert f"async_save to {bad} failed, and its future was never asked" in out.stderr, out.stderr
 
 
-PEER_DIES = """
+PEER_DIES = WRITER_AT_END + """
 import datetime, os, sys, time
 sys.path.insert(0, {tests!r})
 import torch.distributed as dist
@@ -322,17 +328,18 @@ def die(where, **info):
         os._exit(3)  # rank 1 dies in the middle of the save, in its writer thread
 
 ck.async_save({path!r}, params, state, ss, engine, _hook=die)
-time.sleep(0.5)
-print("stepping", flush=True)
-ckpt_steps(engine, params, state, ss, range(2, 4))  # rank 0: its peer is gone, the step raises, uncaught
+if rank == 1:
+    time.sleep(100)  # never steps: its writer ends it
+ckpt_steps(engine, params, state, ss, range(2, 4))  # rank 0: its peer dies, the step raises, uncaught
 """
 
 
 @pytest.mark.multirank
 def test_a_peer_dying_mid_save_does_not_hold_the_survivor_at_exit(tmp_path):
-    """The survivor's writer waits for the dead rank's part of the save until the store's timeout
-    (120 s here); the survivor's step fails at once, and its exit through that exception waits
-    only the engine's call_timeout (2 s) for the save, then says it did not."""
+    """The survivor's writer would wait for the dead rank's part of the save until the store's
+    timeout (120 s here); the survivor's step fails when its peer dies, and its exit through that
+    exception waits only the engine's call_timeout (2 s) for the save, says it did not, and stops
+    the writer thread before the interpreter ends."""
     tests = os.path.dirname(os.path.abspath(__file__))
     script = PEER_DIES.format(tests=tests, rendezvous=str(tmp_path / "rendezvous"), path=str(tmp_path / "c"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -343,6 +350,7 @@ def test_a_peer_dying_mid_save_does_not_hold_the_survivor_at_exit(tmp_path):
     out0, err0 = procs[0].communicate(timeout=120)
     assert procs[1].returncode == 3
     assert procs[0].returncode == 1 and time.monotonic() - start < 60, err0  # not the store's 120 s
+    assert out0 == "writer thread ended\n", (out0, err0)
     assert f"async_save to {tmp_path / 'c'} was still writing when the script ended with an exception; not " \
            "waited for beyond 2 s" in err0, err0
     assert "Traceback" in err0  # the step's own error is shown

@@ -15,7 +15,12 @@ exit an ``atexit`` hook. A normal exit waits for the save to end. An exit throug
 exception waits at most the engine's ``call_timeout``, then warns that the save was not waited
 for (the checkpoint keeps its previous snapshot): the exception may be a peer's death, and a
 writer waiting for that peer's part of the save would otherwise hold the process until the
-store's timeout (30 minutes by default). A save that failed and whose future nobody asked
+store's timeout (30 minutes by default). Either way the hook then ends the thread and joins it
+(at most ``call_timeout`` more), stopping the save's wait for the other ranks at once
+(``StoreExchange``'s ``stop``): a daemon thread still alive when the interpreter finalizes is
+ended by ``pthread_exit`` as it next takes the GIL, and inside torch's store calls, which release
+the GIL in a C++ guard, that unwinding aborts the process (``terminate called without an active
+exception``, pytorch/pytorch#38228). A save that failed and whose future nobody asked
 (``result()``, ``exception()``) is reported when the next save of the engine starts or at
 shutdown or exit, with a ``RuntimeWarning`` naming the path and the error, so a failure is never
 lost silently.
@@ -80,6 +85,7 @@ class Writer:
         self.thread: threading.Thread | None = None
         self.nice: int | None = None  # the thread's nice value
         self.store = None  # its own connection to the store, made at the first exchange with other ranks
+        self.stopping = threading.Event()  # set at exit: the exchange in flight stops waiting (end)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until the engine's save in flight, if any, has ended (reported: :meth:`SaveFuture.report`),
@@ -102,7 +108,8 @@ class Writer:
         n = _calls[group] = _calls.get(group, 0) + 1
         if self.store is None and comm.data_parallel > 1:
             self.store = own_connection()
-        return StoreExchange.of(comm, self.store, f"save/{group}/{n}", first_timeout=first_timeout)
+        return StoreExchange.of(comm, self.store, f"save/{group}/{n}", first_timeout=first_timeout,
+                                stop=self.stopping)
 
     def submit(self, path: str, write: Callable[[], None], *, nice: int, timeout: float) -> SaveFuture:
         """Run ``write`` in the writer thread, at CPU priority ``nice`` (:func:`lower_priority`);
@@ -119,6 +126,18 @@ class Writer:
         future.set_running_or_notify_cancel()
         self.jobs.put((future, write))
         return future
+
+    def end(self, *, stop: bool, timeout: float | None) -> None:
+        """At interpreter exit: end the writer thread once its save in flight is done -- with
+        ``stop``, at once if that save is waiting for another rank (it fails; the checkpoint keeps
+        its previous snapshot) -- and join it, at most ``timeout`` seconds."""
+        if stop:
+            self.stopping.set()
+        if self.jobs is not None:
+            self.jobs.put(None)
+            self.jobs = self.nice = None
+        if self.thread is not None:
+            self.thread.join(timeout)
 
 
 def _serve(jobs: queue.SimpleQueue, nice: int) -> None:
@@ -180,14 +199,17 @@ def _before_shutdown() -> None:
 
 def _at_exit() -> None:
     """Interpreter exit (module doc): wait for the saves in flight, at most ``call_timeout``
-    each when an uncaught exception ends the script."""
+    each when an uncaught exception ends the script, then end the writer threads."""
     failing = teardown.ending_on_exception()
     for writer in list(_writers.values()):
         pending = writer.pending
-        if pending is not None and not writer.wait(pending.exit_timeout if failing else None):
+        timeout = pending.exit_timeout if pending is not None and failing else None
+        done = writer.wait(timeout)
+        if not done:
             warnings.warn(f"fzero.checkpoint.async_save to {pending.path} was still writing when the script ended "
                           f"with an exception; not waited for beyond {pending.exit_timeout:g} s: the checkpoint keeps "
                           "its previous snapshot", RuntimeWarning, stacklevel=1)
+        writer.end(stop=not done, timeout=timeout)
 
 
 teardown.before_shutdown(_before_shutdown)

@@ -9,7 +9,9 @@ through a blocking ``wait`` (``TCPStore::wait`` in c10d), so a main thread waiti
 arrival (``fzero.comm.arrival``) would hold the writer's exchange until that arrival completes,
 which may need the writer's save to end first. So an exchange talks to the store through a
 connection of its own (:func:`own_connection`: ``Store.clone()``; older torch shares the
-client) and waits by polling ``check``, never holding the client in a wait, with a deadline.
+client) and waits by polling ``check``, never holding the client in a wait, with a deadline and
+a ``stop`` event its owner may set to end the wait at once (a thread that must end before the
+interpreter does: ``fzero.checkpoint.background``).
 
 Keys: ``fzero/exchange/<key>/<round>/<index>``: ``key`` names the exchange and must be the same
 on every rank without communication (``fzero.checkpoint.background`` counts the calls made on a
@@ -20,11 +22,12 @@ among the participants. Values are JSON. A round deletes this rank's key of the 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch.distributed as dist
 
-__all__ = ["StoreExchange", "own_connection"]
+__all__ = ["StoreExchange", "ExchangeStopped", "own_connection"]
 
 _DEFAULT_TIMEOUT = 1800.0  # seconds: torch's default process-group timeout, for a store that does not say
 
@@ -39,23 +42,29 @@ def own_connection():
         return store
 
 
+class ExchangeStopped(RuntimeError):
+    """A round that its ``stop`` event ended before every participant posted."""
+
+
 class StoreExchange:
     """Every participant's JSON value, in rounds, through ``store`` (module doc).
 
     ``index``: this rank's place among the ``size`` participants (the order of the gathered
     list); ``timeout``: seconds a round waits for the others (default: the store's, the process
     group's), ``first_timeout`` the first round's (the others' arrival: a rank that never makes
-    the call). ``rank``/``world_size``/``replica``/``replicas``/``data_parallel``: as the
+    the call); ``stop``: an event that, once set, makes a round raise :class:`ExchangeStopped`
+    at once instead of waiting on. ``rank``/``world_size``/``replica``/``replicas``/``data_parallel``: as the
     communicator it stands in for (:meth:`of`) where only small values must be agreed
     (``fzero.checkpoint.collective.agree``)."""
 
     def __init__(self, store, key: str, index: int, size: int, *, timeout: float | None = None,
-                 first_timeout: float | None = None, rank: int = 0, world_size: int = 1, replica: int = 0,
+                 first_timeout: float | None = None, stop: threading.Event | None = None, rank: int = 0, world_size: int = 1, replica: int = 0,
                  replicas: int = 1):
         self.store, self.base, self.index, self.size, self.round = store, f"fzero/exchange/{key}", index, size, 0
         if timeout is None:
             timeout = store.timeout.total_seconds() if store is not None and hasattr(store, "timeout") else _DEFAULT_TIMEOUT
         self.timeout, self.first_timeout = timeout, timeout if first_timeout is None else first_timeout
+        self.stop = threading.Event() if stop is None else stop
         self.rank, self.world_size, self.replica, self.replicas = rank, world_size, replica, replicas
 
     @classmethod
@@ -82,7 +91,8 @@ class StoreExchange:
     def all_gather_object(self, obj) -> list:
         """Every participant's ``obj`` (JSON: tuples come back as lists), in index order.
         ``TimeoutError`` naming the participants that did not post within the timeout; a
-        store that fails (its host, rank 0's process, died) raises its own error."""
+        store that fails (its host, rank 0's process, died) raises its own error;
+        :class:`ExchangeStopped` once ``stop`` is set."""
         if self.size == 1:
             return [obj]
         self.post(obj)
@@ -90,11 +100,13 @@ class StoreExchange:
         timeout = self.first_timeout if self.round == 1 else self.timeout
         deadline, pause = time.monotonic() + timeout, 0.001
         while not self.store.check(keys):
+            if self.stop.is_set():
+                raise ExchangeStopped(f"{self.base}: stopped in round {self.round}, waiting for the other ranks")
             if time.monotonic() > deadline:
                 missing = [i for i in range(self.size) if not self.store.check([keys[i]])]
                 raise TimeoutError(f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
                                    f"take part within {timeout:g} s")
-            time.sleep(pause)
+            self.stop.wait(pause)
             pause = min(2 * pause, 0.05)
         values = [json.loads(self.store.get(k)) for k in keys]
         if self.round > 1:
