@@ -6,11 +6,11 @@ both through torch's functional collectives as the step issues them. This script
 against the functional collectives that call gloo's own reduce-scatter and all-gather, on one
 FP32 bucket of ``--numel`` elements (the 10.8M of ``e2e.py``'s ``small`` GPT by default),
 alternating the two in each round; ms is the median over the rounds, measured on rank 0 after
-a barrier; the reduce-scatter also as ``reduce_scatter_wide`` issues it (an all-to-all, each
-rank summing the pieces of its shard), which the step takes for low-precision grads only.
-Third: BF16 grads summed in FP32 (``reduce_scatter_wide``): gloo's own reduce-scatter of an
-FP32 copy, fzero's all-reduce of that copy (what the step did before), and fzero's
-all-to-all of the BF16 grads, each rank summing its shard in FP32.
+a barrier; the reduce-scatter also as ``Comm`` issues it for grads summed wider than they
+travel (an all-to-all, each rank summing the pieces of its shard: ``sum_received``). Third:
+BF16 grads summed in FP32: gloo's own reduce-scatter of an FP32 copy (NCCL's form, and
+``wire_dtype=torch.float32``'s on NCCL), fzero's all-reduce of that copy (``wire_dtype=torch.float32``
+on gloo), and the all-to-all of the BF16 grads, each rank summing its shard in FP32 (the default).
 
     python benchmarks/collectives.py                    # 2 gloo ranks on CPU
     python benchmarks/collectives.py --ranks 4 --numel 1e6
@@ -30,7 +30,7 @@ import torch.distributed._functional_collectives as funcol
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
-from fzero.comm.collectives import FUNCTIONAL, over_all_reduce  # noqa: E402
+from fzero.comm.collectives import FUNCTIONAL, completed, over_all_reduce, sum_received  # noqa: E402
 from common import table  # noqa: E402
 
 
@@ -55,16 +55,20 @@ def child(args):
     shard = full[: n // world].clone()
     low = full.bfloat16()  # BF16 grads
     own, fz = FUNCTIONAL, over_all_reduce(rank, world)
+
+    def summed_where_it_lands(x):  # Comm.reduce_scatter_bucket(x, ..., dtype=torch.float32)
+        return sum_received(completed(fz.all_to_all(x, None, None, group)), world, torch.float32)
+
     ops = {  # op -> implementation -> call; the first is the baseline of the speed-up column
         "reduce-scatter": {"gloo's own (functional collectives)": lambda: own.reduce_scatter(full, "sum", 0, group),
                            "fzero on gloo (over_all_reduce)": lambda: fz.reduce_scatter(full, "sum", 0, group),
-                           "fzero on gloo: all-to-all, summed": lambda: fz.reduce_scatter_wide(full, torch.float32, "sum", 0, group)},
+                           "fzero on gloo: all-to-all, summed": lambda: summed_where_it_lands(full)},
         "all-gather": {"gloo's own (functional collectives)": lambda: own.all_gather(shard, 0, group),
                        "fzero on gloo (over_all_reduce)": lambda: fz.all_gather(shard, 0, group)},
         "reduce-scatter of BF16 grads, summed in FP32": {
-            "gloo's own, of an FP32 copy": lambda: own.reduce_scatter_wide(low, torch.float32, "sum", 0, group),
+            "gloo's own, of an FP32 copy": lambda: own.reduce_scatter(low.float(), "sum", 0, group),
             "fzero's all-reduce of an FP32 copy": lambda: fz.reduce_scatter(low.float(), "sum", 0, group),
-            "fzero on gloo: all-to-all in BF16, summed in FP32": lambda: fz.reduce_scatter_wide(low, torch.float32, "sum", 0, group)},
+            "fzero: all-to-all in BF16, summed in FP32": lambda: summed_where_it_lands(low)},
     }
     rows = []
     for op, impls in ops.items():

@@ -11,12 +11,18 @@ where bw is the per-GPU bandwidth of the slowest link the group crosses: ``--int
 900 GB/s) inside a node, ``--inter-Gbps`` (InfiniBand, 400 Gb/s per GPU) across nodes. Latency
 and overlap with backward are left out: the model compares the bytes each scheme puts on each
 link. Schemes, for P params, N = nodes x G GPUs, r = reduce bytes per element (4: FP32,
-fzero's default; 2 with ``--reduce-dtype fp16``), params in FP16:
+fzero's default; 2 with ``--reduce-dtype fp16``), w = wire bytes per element of the grads (2:
+FP16 grads sent as they are, fzero's default -- an all-to-all, each rank summing its shard in
+r bytes where it lands, which moves (n-1)/n of w*P per rank as a ring reduce-scatter does; r
+with ``zero1(wire_dtype=torch.float32)``), params in FP16:
 
     DDP           all-reduce of r*P over N ranks
-    flat ZeRO-1   reduce-scatter of r*P and all-gather of 2P over N ranks
-    hybrid        reduce-scatter of r*P and all-gather of 2P inside each node (S = G ranks),
+    flat ZeRO-1   reduce-scatter of w*P and all-gather of 2P over N ranks
+    hybrid        reduce-scatter of w*P and all-gather of 2P inside each node (S = G ranks),
                   all-reduce of the r*P/S shard across nodes (R = nodes ranks)
+
+Where w < r, the two ZeRO-1 schemes are listed again with w = r ("FP32 copy on the wire"), so
+one run shows what the 16-bit wire buys at each scale.
 
 Memory per rank (params 2P + grads 2P + FP32 master and Adam moments 12P/shards): DDP 16P,
 ZeRO-1 4P + 12P/N, hybrid 4P + 12P/S. ``--muon F``: the ZeRO-1 schemes again with
@@ -47,16 +53,18 @@ from common import table  # noqa: E402
 GB = 2**30
 
 
-def collective_bytes(padded: int, shards: int, replicas: int, *, reduce_bytes: int, param_bytes: int) -> dict:
+def collective_bytes(padded: int, shards: int, replicas: int, *, reduce_bytes: int, param_bytes: int,
+                     wire_bytes: int | None = None) -> dict:
     """``{(collective, group): input bytes per step}`` of fzero's step on a ``replicas x shards``
     mesh, ``padded`` = N*S elements of the flat buffer (``layout.padded_numel``), the same for any
-    bucketing: reduce-scatter of the ``[N*S]`` grads and all-gather of the ``[S]`` param shard in
-    the shard group, all-reduce of the ``[S]`` reduced grads over the replicas, and the 8-byte
-    all-reduce of the norm in the shard group. A group of one rank issues nothing."""
+    bucketing: reduce-scatter of the ``[N*S]`` grads (``wire_bytes`` each, default
+    ``reduce_bytes``) and all-gather of the ``[S]`` param shard in the shard group, all-reduce of
+    the ``[S]`` reduced grads over the replicas, and the 8-byte all-reduce of the norm in the
+    shard group. A group of one rank issues nothing."""
     shard = padded // shards
     out = {}
     if shards > 1:
-        out[("reduce_scatter", "shard")] = reduce_bytes * padded
+        out[("reduce_scatter", "shard")] = (reduce_bytes if wire_bytes is None else wire_bytes) * padded
         out[("all_gather", "shard")] = param_bytes * shard
         out[("all_reduce", "shard")] = 8
     if replicas > 1:
@@ -80,27 +88,34 @@ def all_to_all_seconds(sent_bytes: float, n: int, bandwidth: float) -> float:
 
 
 def schemes(P: float, nodes: int, gpus: int, *, reduce_bytes: int, intra: float, inter: float,
-            muon: float = 0.0) -> list[dict]:
+            muon: float = 0.0, wire_bytes: int = 2) -> list[dict]:
     """Per-step communication seconds and per-rank bytes of the three schemes (see the module
-    docstring), each with the formula it used; with ``muon`` (the fraction of P in Muon's
-    matrices, > 0) the two ZeRO-1 schemes again with ``partition(muon, adamw)``."""
+    docstring), each with the formula it used; where ``wire_bytes`` < ``reduce_bytes`` the two
+    ZeRO-1 schemes again with an FP32 copy on the wire; with ``muon`` (the fraction of P in
+    Muon's matrices, > 0) the two ZeRO-1 schemes again with ``partition(muon, adamw)``."""
     N = nodes * gpus
     across = inter if nodes > 1 else intra  # a group that spans nodes runs at the NIC's pace
-    r = reduce_bytes
+    r, S, R = reduce_bytes, gpus, nodes
     ddp = ring_seconds("all_reduce", r * P, N, across)
-    flat = ring_seconds("reduce_scatter", r * P, N, across) + ring_seconds("all_gather", 2 * P, N, across)
-    S, R = gpus, nodes
-    hybrid_intra = ring_seconds("reduce_scatter", r * P, S, intra) + ring_seconds("all_gather", 2 * P, S, intra)
-    hybrid_inter = ring_seconds("all_reduce", r * P / S, R, inter)
-    out = [
-        {"scheme": "DDP", "mesh": f"{N}", "seconds": ddp, "bytes": 16 * P,
-         "formula": f"2(N-1)/N * {r}P / bw_inter"},
-        {"scheme": "flat ZeRO-1", "mesh": f"{N}", "seconds": flat, "bytes": 4 * P + 12 * P / N,
-         "formula": f"(N-1)/N * ({r}P + 2P) / bw_inter"},
-        {"scheme": "hybrid ZeRO-1", "mesh": f"{R}x{S}", "seconds": hybrid_intra + hybrid_inter,
-         "bytes": 4 * P + 12 * P / S, "intra_s": hybrid_intra, "inter_s": hybrid_inter,
-         "formula": f"(S-1)/S * ({r}P + 2P) / bw_intra + 2(R-1)/R * {r}P/S / bw_inter"},
-    ]
+
+    def zero1(w: int, label: str = "") -> tuple[float, float, float, list[dict]]:
+        flat = ring_seconds("reduce_scatter", w * P, N, across) + ring_seconds("all_gather", 2 * P, N, across)
+        intra_s = ring_seconds("reduce_scatter", w * P, S, intra) + ring_seconds("all_gather", 2 * P, S, intra)
+        inter_s = ring_seconds("all_reduce", r * P / S, R, inter)
+        return flat, intra_s, inter_s, [
+            {"scheme": "flat ZeRO-1" + label, "mesh": f"{N}", "seconds": flat, "bytes": 4 * P + 12 * P / N,
+             "formula": f"(N-1)/N * ({w}P + 2P) / bw_inter"},
+            {"scheme": "hybrid ZeRO-1" + label, "mesh": f"{R}x{S}", "seconds": intra_s + inter_s,
+             "bytes": 4 * P + 12 * P / S, "intra_s": intra_s, "inter_s": inter_s,
+             "formula": f"(S-1)/S * ({w}P + 2P) / bw_intra + 2(R-1)/R * {r}P/S / bw_inter"},
+        ]
+
+    w = min(wire_bytes, r)
+    flat, hybrid_intra, hybrid_inter, rows = zero1(w)
+    out = [{"scheme": "DDP", "mesh": f"{N}", "seconds": ddp, "bytes": 16 * P,
+            "formula": f"2(N-1)/N * {r}P / bw_inter"}, *rows]
+    if w < r:
+        out += zero1(r, ", FP32 copy on the wire")[3]
     if muon > 0:
         # fzero.shard_view.whole: each rank sends its shard's share of the matrices, f P / N
         # elements, to the ranks that orthogonalize them (BF16, 2 B) and gets the results back
@@ -154,7 +169,8 @@ def main(argv=None):
                          "-" if held is None else f"{held / GB:.2f}", s["formula"]])
             results.append({"P": P, **s, "held": held})
     print(f"\n{args.nodes} nodes x {args.gpus_per_node} GPUs; intra-node {args.intra_GBps:g} GB/s, inter-node "
-          f"{args.inter_Gbps:g} Gbit/s per GPU; reduce in {args.reduce_dtype}, params FP16\n")
+          f"{args.inter_Gbps:g} Gbit/s per GPU; reduce in {args.reduce_dtype}, grads on the wire in FP16, "
+          "params FP16\n")
     print(table(rows, ["P", "scheme", "mesh", "comm ms/step", "GiB/rank (formula)", "GiB/rank (held)", "time formula"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -71,7 +71,12 @@ VARIANTS = {  # fzero recipes --variants can add beside the main job's
     "grads-buffer": "compiled loss of the params, grads laid out into a flat buffer kept across steps + compiled step",
     "grads-pytree": "compiled loss of the params, its per-leaf grads as they are + compiled step from the grads pytree",
     "overlapped": "engine.grad_and_value (reduce-scatter inside eager backward) + compiled step",
+    # the same two with 16-bit grads sent as an FP32 copy (zero1(wire_dtype=torch.float32)), the
+    # behaviour before grads travelled in their own dtype; FP32 params: the same as without
+    "main-wire-fp32": "the main job, its BF16/FP16 grads reduce-scattered as an FP32 copy (wire_dtype=torch.float32)",
+    "overlapped-wire-fp32": "overlapped, its BF16/FP16 grads reduce-scattered as an FP32 copy (wire_dtype=torch.float32)",
 }
+WIRE_FP32 = "-wire-fp32"
 
 
 class Block(nn.Module):
@@ -133,8 +138,10 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
     """One step of the main job's train step (``examples/recipe.py: make_train_step``), or of a
     variant of it (``VARIANTS``)."""
     master = "params" if dtype == torch.float32 else "fp32"  # as train.py: no second FP32 copy of FP32 params
+    wire = torch.float32 if variant.endswith(WIRE_FP32) else None
+    variant = variant.removesuffix(WIRE_FP32)
     engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True,
-                         master=master)
+                         master=master, wire_dtype=wire)
     carry = list(engine.init(gpt.init(torch.Generator().manual_seed(0), cfg, device=dev)))
     loss_fn = functools.partial(gpt.loss, config=cfg)
     if variant == "main":

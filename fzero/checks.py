@@ -37,13 +37,16 @@ def check_param_dtype(dtype) -> torch.dtype:
     return dtype
 
 
-def check_options(loss_scale, *, param_dtype, reduce_dtype, stage, offload, bucket_bytes, chunk_numel,
+def check_options(loss_scale, *, param_dtype, reduce_dtype, wire_dtype, stage, offload, bucket_bytes, chunk_numel,
                   call_timeout) -> None:
     """The options of ``fzero.zero1`` besides the param dtype; errors name the option."""
     if not isinstance(loss_scale, (DynamicLossScale, StaticLossScale)):
         raise TypeError(f"loss_scale must be DynamicLossScale, StaticLossScale or None, got {loss_scale!r}")
     if reduce_dtype not in (torch.float32, param_dtype):
         raise TypeError(f"reduce_dtype must be torch.float32 or the param_dtype {param_dtype}, got {reduce_dtype}")
+    if wire_dtype not in (None, param_dtype, reduce_dtype):
+        raise TypeError(f"wire_dtype must be None, the param_dtype {param_dtype} or the reduce_dtype {reduce_dtype}, "
+                        f"got {wire_dtype}")
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage}")
     if offload not in (None, "cpu"):

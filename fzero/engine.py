@@ -48,7 +48,7 @@ class Engine:
     engine). The binding stays here rather than in the state so that the state is a pytree of
     tensors only: what a checkpoint stores, and what ``torch.compile`` guards on."""
 
-    def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, alignment, bucket_bytes, stage,
+    def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, wire_dtype, alignment, bucket_bytes, stage,
                  offload, donate, chunk_numel, simulate, master, call_timeout):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
@@ -57,12 +57,14 @@ class Engine:
         if loss_scale == "auto":
             loss_scale = DynamicLossScale() if param_dtype == torch.float16 else None
         self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
-        checks.check_options(self.loss_scale, param_dtype=param_dtype, reduce_dtype=reduce_dtype, stage=stage,
+        checks.check_options(self.loss_scale, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                             wire_dtype=wire_dtype, stage=stage,
                              offload=offload, bucket_bytes=bucket_bytes, chunk_numel=chunk_numel,
                              call_timeout=call_timeout)
         # Every rank's slice a whole number of the transform's blocks (8-bit moments: one scale
         # per block), so that no block straddles two ranks: the transform stays rank-blind.
         self.reduce_dtype, self.alignment, self.stage = reduce_dtype, math.lcm(alignment, tx.block), stage
+        self.wire_dtype = param_dtype if wire_dtype is None else wire_dtype
         self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
         self.offload, self.donate, self.chunk_numel, self.call_timeout = offload, donate, chunk_numel, float(call_timeout)
         self.comm = communicator(group=group, mesh=mesh, simulate=simulate)
@@ -117,11 +119,13 @@ class Engine:
         # Before the first collective on tensors: ranks that differ in layout, dtypes, loss
         # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
         settings = {"param_dtype": str(self.param_dtype), "master": self.storage.name, "reduce_dtype": str(self.reduce_dtype),
-                    "loss_scale": repr(self.loss_scale), "stage": str(self.stage), "offload": repr(self.offload)}
+                    "wire_dtype": str(self.wire_dtype), "loss_scale": repr(self.loss_scale), "stage": str(self.stage),
+                    "offload": repr(self.offload)}
         comm.check_same("engine configuration", {**layout.table(), **config_table(settings, layout, state.tx_state)})
-        reduce_dtype = self.param_dtype if comm.data_parallel == 1 else self.reduce_dtype
-        bound = Binding.of(GradPath(layout, comm, device, self.param_dtype, reduce_dtype, self.stage), state_device,
-                           state.tx_state)
+        summed = comm.data_parallel > 1  # else nothing is summed or sent: the grads stay in the param dtype
+        reduce_dtype, wire_dtype = (self.reduce_dtype, self.wire_dtype) if summed else (self.param_dtype, self.param_dtype)
+        bound = Binding.of(GradPath(layout, comm, device, self.param_dtype, reduce_dtype, wire_dtype, self.stage),
+                           state_device, state.tx_state)
         if self._bound is None:
             self._bound = bound
             self._context = context.prepare() if self.tx.needs_context else context
@@ -288,12 +292,13 @@ class Engine:
         return self._bound
 
     def time_collectives(self) -> dict[str, list[float]]:
-        """Per-bucket milliseconds of the step's reduce-scatter (in the reduce dtype) and all-gather
-        (param dtype), each measured alone, max over ranks; empty lists at world size 1. A collective
-        call (every rank must make it) that syncs the host: for a metrics log, not the hot loop."""
+        """Per-bucket milliseconds of the step's reduce-scatter (grads in the wire dtype, summed in
+        the reduce dtype) and all-gather (param dtype), each measured alone, max over ranks; empty
+        lists at world size 1. A collective call (every rank must make it) that syncs the host:
+        for a metrics log, not the hot loop."""
         path = self._ready().grads
         self.comm.arrive("engine.time_collectives", timeout=self.call_timeout)
-        return self.comm.time_buckets(path.layout, path.reduce_dtype, self.param_dtype, path.device)
+        return self.comm.time_buckets(path.layout, path.wire_dtype, path.reduce_dtype, self.param_dtype, path.device)
 
     def state_bytes(self, state: ZeroState) -> int:
         """Bytes of tensor storage this rank holds for optimizer state (master + transform)."""

@@ -28,21 +28,25 @@ __all__ = ["GradPath", "GradFn"]
 class GradPath:
     """Everything that turns this rank's grads into its reduced shard, fixed at ``init``.
 
-    ``reduce_dtype``: the dtype grads are reduced in (the param dtype at world size 1: nothing
-    is summed, and the step's FP32 cast then fuses); ``stage``: 1 or 2 (see ``accumulate``)."""
+    ``reduce_dtype``: the dtype grads are summed in over ranks (the param dtype at world size 1:
+    nothing is summed, and the step's FP32 cast then fuses); ``wire_dtype``: the dtype the grads
+    of a step cross the wire in -- the param dtype, or ``reduce_dtype`` (a copy in it,
+    reduce-scattered; ``zero1``'s ``wire_dtype``); ``stage``: 1 or 2 (see ``accumulate``)."""
 
     layout: Layout
     comm: Comm | SimulatedComm
     device: torch.device
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    wire_dtype: torch.dtype
     stage: int
 
     @property
     def widened(self) -> bool:
-        """Whether grads are summed over ranks in a dtype wider than theirs (BF16 or FP16 grads
-        in FP32): then the step reduces them as they come and sums in ``reduce_dtype``."""
-        return self.comm.data_parallel > 1 and self.reduce_dtype.itemsize > self.param_dtype.itemsize
+        """Whether grads are summed over ranks in a dtype wider than the one they cross the wire
+        in (BF16 or FP16 grads in FP32): then they are reduced as they come, and each rank sums
+        the pieces it receives in ``reduce_dtype`` (``Comm.reduce_scatter_bucket``)."""
+        return self.comm.data_parallel > 1 and self.reduce_dtype.itemsize > self.wire_dtype.itemsize
 
     # ------------------------------------------------------------------ the door
     def check(self, x: Any, what: str) -> list[torch.Tensor] | None:
@@ -74,9 +78,9 @@ class GradPath:
         if not isinstance(grads, Accumulated):
             if segments and self.comm.data_parallel == 1:
                 return Reduced(self.segments(grads), 1.0, False)
-            # Grads narrower than the reduce dtype are reduced as they are and summed in it
-            # (``Communicator.reduce_scatter_mean``): no wider copy of them is made here.
-            dtype, sum_dtype = (self.param_dtype, self.reduce_dtype) if self.widened else (self.reduce_dtype, None)
+            # Grads that cross the wire narrower than the reduce dtype are reduced as they are and
+            # summed in it (``Communicator.reduce_scatter_mean``): no wider copy of them is made here.
+            dtype, sum_dtype = self.wire_dtype, self.reduce_dtype if self.widened else None
             new_buffers = not isinstance(grads, torch.Tensor) or grads.dtype != dtype
             owned = new_buffers or (donated and self.comm.data_parallel > 1)
             return Unreduced(self.buckets(grads, dtype), owned, sum_dtype)
@@ -170,14 +174,17 @@ class GradPath:
         comm, layout, device = self.comm, self.layout, self.device
         local = not sync and self.stage == 1  # DDP's no_sync: summed here, reduced with the last micro-batch
         add = acc is not None and self.stage == 1 and sync  # the sum so far joins each bucket before it leaves
-        # the sum leaves in the reduce dtype; kept FP32 where nothing is summed over ranks (the
-        # reduce dtype is then the param dtype), as stage-1 accumulation keeps it
+        # the sum so far leaves in the reduce dtype (an FP32 sum of micro-batches holds more than
+        # 16 bits would carry); kept FP32 where nothing is summed over ranks (the reduce dtype is
+        # then the param dtype), as stage-1 accumulation keeps it
         wire = torch.float32 if comm.data_parallel == 1 else self.reduce_dtype
+        # one micro-batch's grads leave in the wire dtype, summed in the reduce dtype where it is wider
+        sum_dtype = self.reduce_dtype if self.widened and not add else None
         if local or add:  # FP32 [N*S], as stage-1 accumulation sums
             total = torch.empty(layout.padded_numel, dtype=torch.float32, device=device)
             buffers = split_buckets(total, layout)
         else:
-            buffers = [torch.empty(layout.world_size * b.shard, dtype=self.reduce_dtype, device=device)
+            buffers = [torch.empty(layout.world_size * b.shard, dtype=self.wire_dtype, device=device)
                        for b in layout.buckets]
         before = split_buckets(acc.grads, layout) if add else None
 
@@ -186,10 +193,10 @@ class GradPath:
                 return buf
             if add:
                 buf = buf.add_(before[i]).to(wire)
-            return comm.start_mean(buf, i, layout, wait=not overlap)
+            return comm.start_mean(buf, i, layout, wait=not overlap, dtype=sum_dtype)
 
         def finish(x: torch.Tensor, i: int) -> torch.Tensor:
-            return x if local else comm.wait_reduced(x, i, layout)
+            return x if local else comm.wait_reduced(x, i, layout, dtype=sum_dtype)
 
         def scaled(tree: Any) -> tuple[torch.Tensor, Any]:
             out = fn(tree, *args, **kwargs)

@@ -16,6 +16,7 @@ def zero1(
     group=None,
     mesh=None,
     reduce_dtype: torch.dtype = torch.float32,
+    wire_dtype: torch.dtype | None = None,
     alignment: int = 64,
     bucket_bytes: int | None = None,
     stage: int = 1,
@@ -39,10 +40,16 @@ def zero1(
         sharded over ``shard`` (12P/S bytes per rank), replicated over ``replicate``; grads
         reduce-scattered inside the shard group, the shard all-reduced over the replicate
         group, params all-gathered inside the shard group (``fzero.comm.HybridComm``).
-      reduce_dtype: dtype the gradients are summed in over ranks: FP32 (default; the sum cannot
-        overflow) or ``param_dtype`` with the FSDP pre/post split of 1/N. FP16/BF16 grads go out
-        in their own dtype either way on gloo (an all-to-all, each rank summing its shard in
-        FP32 where it lands); NCCL reduce-scatters an FP32 copy (2x the wire bytes).
+      reduce_dtype: dtype the gradients are summed (accumulated) in over ranks: FP32 (default;
+        the sum cannot overflow) or ``param_dtype`` with the FSDP pre/post split of 1/N.
+      wire_dtype: dtype the gradients cross the wire in for the reduce-scatter. ``None``
+        (default): the params' dtype -- FP16/BF16 grads go out as they are, in an all-to-all,
+        and each rank sums the pieces it receives in ``reduce_dtype`` (Megatron-LM's FP32
+        accumulation): half the bytes of an FP32 copy, and the same sum (at 2 ranks bit for bit,
+        beyond in rank order). ``reduce_dtype``: a copy in it is reduce-scattered, the sum made
+        in flight (NCCL's ring; on gloo an all-reduce): twice the bytes. A stage-1 sum of
+        micro-batches (``accumulate``, ``no_sync``) is FP32 and leaves in ``reduce_dtype``
+        either way.
       alignment: each rank's slice of each bucket is a multiple of this many elements (64), and
         of the transform's ``block`` (256 with 8-bit moments: no block straddles two ranks).
       bucket_bytes: split the flat buffer into buckets of about this many param bytes, each

@@ -125,3 +125,17 @@ def test_grads_on_another_device_names_leaf(ready):
     grads["blocks"][1]["g"] = grads["blocks"][1]["g"].to("meta")
     with pytest.raises(ValueError, match="grads leaf 'blocks/1/g' is on meta, the params are on cpu"):
         engine.step(params, grads, state, ss)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float16),
+     "reduce_dtype must be torch.float32 or the param_dtype torch.bfloat16, got torch.float16"),
+    (dict(param_dtype=torch.bfloat16, wire_dtype=torch.float16),
+     "wire_dtype must be None, the param_dtype torch.bfloat16 or the reduce_dtype torch.float32, got torch.float16"),
+    (dict(param_dtype=torch.float16, reduce_dtype=torch.float16, wire_dtype=torch.float32),
+     "wire_dtype must be None, the param_dtype torch.float16 or the reduce_dtype torch.float16, got torch.float32"),
+])
+def test_reduce_and_wire_dtypes_other_than_the_params_or_the_sums_are_refused(options, message):
+    with pytest.raises(TypeError, match=f"^{message}$"):
+        fzero.zero1(transforms.adamw(lr=1e-3), **options)
+    fzero.zero1(transforms.adamw(lr=1e-3), **{**options, "wire_dtype": None, "reduce_dtype": torch.float32})

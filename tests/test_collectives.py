@@ -15,7 +15,7 @@ def test_wrapped_applies_the_wrapper_to_each_collective_by_name():
     table = fzero.comm.FUNCTIONAL.wrapped(lambda name, fn: (name, fn))
     assert table == fzero.comm.Collectives(*((name, fn) for name, fn in zip(table._fields, fzero.comm.FUNCTIONAL)))
     assert [name for name, _ in table] == ["reduce_scatter", "all_gather", "all_reduce", "broadcast",
-                                          "reduce_scatter_donated", "reduce_scatter_wide", "all_gather_into", "all_to_all"]
+                                          "reduce_scatter_donated", "all_gather_into", "all_to_all"]
 
 
 def counted_step(rank, world_size):
@@ -48,12 +48,13 @@ def test_a_wrapped_table_counts_every_collective_and_compiles():
         b, padded = r["buckets"], r["padded"]
         assert b > 1
         names = [name for name, _ in r["calls"]]
-        # the FP16 grads pytree is laid out into FP16 buckets, each summed in FP32 over ranks
-        assert names.count("reduce_scatter_wide") == names.count("all_gather") == b and names.count("all_reduce") == 1
+        # the FP16 grads pytree is laid out into FP16 buckets, each sent as it is (an all-to-all)
+        # and summed in FP32 where it lands
+        assert names.count("all_to_all") == names.count("all_gather") == b and names.count("all_reduce") == 1
         assert len(names) == 2 * b + 1  # nothing else, and no broadcast without replicas
-        nbytes = {n: sum(x for m, x in r["calls"] if m == n) for n in ("reduce_scatter_wide", "all_gather", "all_reduce")}
+        nbytes = {n: sum(x for m, x in r["calls"] if m == n) for n in ("all_to_all", "all_gather", "all_reduce")}
         # FP16 grads of the whole buffer in, this rank's FP16 half of the params in, one float64
-        assert nbytes == {"reduce_scatter_wide": 2 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
+        assert nbytes == {"all_to_all": 2 * padded, "all_gather": 2 * padded // 2, "all_reduce": 8}
         assert r["after_compiled"] == len(names)  # the compiled step ran the wrapper only while tracing
 
 
@@ -118,17 +119,26 @@ def test_on_gloo_reduce_scatter_and_all_gather_go_over_all_reduce_and_broadcast_
 
 def widening_reduce_scatter(rank, world_size):
     from fzero.comm.collectives import FUNCTIONAL, completed
-    comm = fzero.comm.Comm.of(None)
-    group, t, n = comm.group, comm.collectives, 4 * world_size * 64
+    from fzero.layout import make_layout
+    n = 4 * world_size * 64
+    layout = make_layout({"g": torch.empty(n)}, world_size)  # one bucket of n elements
+    assert layout.padded_numel == n
     S = n // world_size
     gen = torch.Generator().manual_seed(rank)
     ints = torch.randint(-50, 50, (n,), generator=gen)  # exact sums in any order
     spread = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-14, 10, (n,), generator=gen).float())  # finite in FP16
-    wide = lambda x: t.reduce_scatter_wide(x, torch.float32, "sum", 0, group)  # noqa: E731
     out = {}
+    # the table gloo's Comm picks and the one NCCL's does: the widening form is the same in both
+    comms = {"gloo's": fzero.comm.Comm.of(None), "NCCL's": fzero.comm.Comm.of(None, collectives=FUNCTIONAL)}
+    group = comms["gloo's"].group
+    wide = lambda x, c=comms["gloo's"]: c.reduce_scatter_bucket(x, 0, layout, dtype=torch.float32)  # noqa: E731
     for dtype in (torch.float16, torch.bfloat16):
         x, y = ints.to(dtype), spread.to(dtype)
-        got = {"eager": wide(x)}
+        got = {"eager": wide(x), "NCCL's table": wide(x, comms["NCCL's"])}
+        # started in flight (inside backward), summed when waited for
+        for name, c in comms.items():
+            started = c.reduce_scatter_bucket(x, 0, layout, dtype=torch.float32, wait=False)
+            got[f"{name} waited"] = c.wait_reduced(started, 0, layout, dtype=torch.float32)
         if world_size == 2:  # what the trace holds does not depend on the world size
             got["compiled"], out[f"{dtype} buffers"] = compiled_buffers(torch.compile(wide, fullgraph=True), x)
         out[dtype] = {
@@ -147,7 +157,7 @@ def test_the_widening_reduce_scatter_sums_low_precision_grads_in_fp32_without_an
     for out, S in run_ranks(widening_reduce_scatter, world_size):
         for dtype in (torch.float16, torch.bfloat16):
             r = out[dtype]
-            for got in r["got"].values():  # eager and compiled: gloo's own sums of the FP32 copy
+            for got in r["got"].values():  # eager, waited and compiled: gloo's own sums of the FP32 copy
                 assert got.dtype == torch.float32 and torch.equal(got, r["gloo's own"])
             if world_size == 2:  # one addition, which commutes: the same bits on any values
                 assert torch.equal(r["spread"], r["spread all-reduced"])

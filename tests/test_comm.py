@@ -18,7 +18,7 @@ def train(rank, world_size, configs):
     out = []
     for cfg in configs:
         cfg = dict(cfg)
-        micro = cfg.pop("micro", 1)
+        micro, backward = cfg.pop("micro", 1), cfg.pop("backward", False)
         comm = RecordingComm.of(None)
         engine = fzero.zero1(transforms.adamw(lr=1e-2, weight_decay=0.1), param_dtype=torch.float16,
                              loss_scale=fzero.StaticLossScale(8.0), group=comm, **cfg)
@@ -28,6 +28,11 @@ def train(rank, world_size, configs):
             acc = None
             for m in range(micro):
                 g = optree.tree_map(lambda x: (x * 8).half(), grads_like(p0, 100 * step + 10 * rank + m))
+                if backward:  # the same grads, reduced inside backward: d(sum(leaf * c))/d(leaf) * 8 = (8c).half()
+                    cs = grads_like(p0, 100 * step + 10 * rank + m)
+                    linear = lambda p, cs: sum((leaf.float() * c).sum()
+                                               for leaf, c in zip(optree.tree_leaves(p), optree.tree_leaves(cs)))
+                    g, _ = engine.grad_and_value(linear)(params, ss, cs)
                 acc = g if micro == 1 else engine.accumulate(acc, g)
             params, state, ss, info = engine.step(params, acc, state, ss)
         out.append({
@@ -52,10 +57,13 @@ def test_buckets_counts_bytes_stage2_offload(world_size):
         {"micro": 3},                                   # 3: stage 1 accumulation
         {"micro": 3, "stage": 2},                       # 4: stage 2 accumulation
         {"offload": "cpu"},                             # 5: state in host memory
+        {"backward": True},                             # 6: reduced inside backward
+        {"backward": True, "wire_dtype": torch.float32},  # 7: and as an FP32 copy
+        {"wire_dtype": torch.float32},                  # 8: the step's, as an FP32 copy
     ]
     out = run_ranks(train, world_size, configs)
     for r in out:
-        one, bucketed, low, acc1, acc2, off = r
+        one, bucketed, low, acc1, acc2, off, inside, inside_fp32, fp32 = r
         # every layout and mode computes the same params, bitwise
         assert torch.equal(bucketed["params"], one["params"])
         assert torch.equal(off["params"], one["params"])
@@ -79,6 +87,16 @@ def test_buckets_counts_bytes_stage2_offload(world_size):
         assert acc2["counts"]["reduce_scatter"][0] == STEPS * 3
         assert acc2["counts"]["all_gather"][0] == STEPS
         assert off["state_device"] == "cpu"
+        # reduced inside backward: the same sums in the same order as the step's reduce
+        assert torch.equal(inside["params"], one["params"])
+        for res in (inside_fp32, fp32):  # an FP32 copy: the same sums (at 2 ranks the same bits)
+            if world_size == 2:
+                assert torch.equal(res["params"], one["params"])
+            torch.testing.assert_close(res["master"], one["master"], rtol=1e-6, atol=1e-7)
+        # wire bytes: the FP16 grads as they are, or an FP32 copy (twice the bytes)
+        assert inside["counts"]["reduce_scatter"] == [STEPS, STEPS * 2 * inside["padded"]]
+        for res in (inside_fp32, fp32):
+            assert res["counts"]["reduce_scatter"] == [STEPS, STEPS * 4 * res["padded"]]
 
 
 def dead_peer(rank, world_size):

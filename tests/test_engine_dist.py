@@ -16,7 +16,7 @@ def rank_grads(p0, step, rank):
     return grads_like(p0, 100 * step + rank)
 
 
-def train(rank, world_size, param_dtype, reduce_dtype):
+def train(rank, world_size, param_dtype, reduce_dtype, wire_dtype=None):
     # Each rank builds its own weights (a seed per rank): every rank trains rank 0's, as under DDP.
     p0 = odd_params(seed=rank)
     engine = fzero.zero1(
@@ -24,6 +24,7 @@ def train(rank, world_size, param_dtype, reduce_dtype):
         param_dtype=param_dtype,
         loss_scale=fzero.StaticLossScale(4.0),
         reduce_dtype=reduce_dtype,
+        wire_dtype=wire_dtype,
     )
     params, state, ss = engine.init(p0)
     infos = []
@@ -49,7 +50,8 @@ def train(rank, world_size, param_dtype, reduce_dtype):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
     "param_dtype,reduce_dtype",
-    [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.float16, torch.float16)],
+    [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+     (torch.float16, torch.float16)],
 )
 def test_ranks_agree_and_equal_one_process_fed_mean_grads(world_size, param_dtype, reduce_dtype):
     out = run_ranks(train, world_size, param_dtype, reduce_dtype)
@@ -77,6 +79,22 @@ def test_ranks_agree_and_equal_one_process_fed_mean_grads(world_size, param_dtyp
         assert 12 * S <= r["state_bytes"] <= 12 * S + 64
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_grads_sent_in_their_own_dtype_train_as_an_fp32_copy_of_them_does(world_size, param_dtype):
+    """The default wire (16-bit grads in an all-to-all, summed in FP32 where they land) against
+    ``wire_dtype=torch.float32`` (an FP32 copy, reduce-scattered): the same skips, and at 2 ranks
+    the same bits (one FP32 addition either way); beyond, the same sums in another order."""
+    own, copy = (run_ranks(train, world_size, param_dtype, torch.float32, wire) for wire in (None, torch.float32))
+    for a, b in zip(own, copy):
+        assert a["found_inf"] == b["found_inf"] == [s == BAD_STEP for s in range(STEPS)]
+        if world_size == 2:
+            assert torch.equal(a["master"], b["master"]) and torch.equal(a["flat_params"], b["flat_params"])
+        else:
+            torch.testing.assert_close(a["master"], b["master"], rtol=1e-6, atol=1e-7)
+
+
 def mismatched_layout(rank, world_size):
     p0 = odd_params()
     if rank == 1:
@@ -95,6 +113,8 @@ CONFIG_CASES = {
                     "param_dtype is torch.float16 on rank 0 but torch.bfloat16 on rank 1"),
     "reduce_dtype": (dict(reduce_dtype=torch.float32), dict(reduce_dtype=torch.float16),
                      "reduce_dtype is torch.float32 on rank 0 but torch.float16 on rank 1"),
+    "wire_dtype": (dict(wire_dtype=None), dict(wire_dtype=torch.float32),
+                   "wire_dtype is torch.float16 on rank 0 but torch.float32 on rank 1"),
     "loss_scale": (dict(loss_scale=fzero.DynamicLossScale()), dict(loss_scale=fzero.DynamicLossScale(init_scale=2.0**10)),
                    "loss_scale is DynamicLossScale(init_scale=65536.0"),
     "stage": (dict(stage=1), dict(stage=2), "stage is 1 on rank 0 but 2 on rank 1"),

@@ -40,12 +40,13 @@ def rank_grads(step, rank):
 def train_on_mesh(rank, world_size, replicas, shards, options):
     # Every rank but rank 0 (replica 0, shard 0) starts from other params: init takes rank 0's.
     p0 = odd_params(seed=rank)
-    engine = fzero.zero1(clipped_tx(), param_dtype=torch.float32, loss_scale=fzero.StaticLossScale(SCALE),
-                         bucket_bytes=64, mesh=mesh_of(replicas, shards), **options)
+    options = {"param_dtype": torch.float32, **options}
+    engine = fzero.zero1(clipped_tx(), loss_scale=fzero.StaticLossScale(SCALE), bucket_bytes=64,
+                         mesh=mesh_of(replicas, shards), **options)
     params, state, ss = engine.init(p0)
     found, norms = [], []
     for step in range(STEPS):
-        grads = optree.tree_map(lambda g: g * SCALE, rank_grads(step, rank))
+        grads = optree.tree_map(lambda g: (g * SCALE).to(options["param_dtype"]), rank_grads(step, rank))
         if step == BAD_STEP and rank == BAD_RANK:
             grads["w"][1, 2] = float("inf")
         if options.get("stage") == 2:  # two micro-batches of loss / 2 (DDP's habit): their sum is the grads
@@ -97,6 +98,20 @@ def test_mesh_equals_one_process_fed_mean_grads(replicas, shards, options):
     assert S * shards - numel < shards * 64 * 4  # 4 buckets of 16 elements, each padded per rank
     for r in out:
         assert 13 * S <= r["state_bytes"] <= 13 * S + 128  # master, mu, nu, the bool mask; 0-d scalars
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("param_dtype", [torch.float16, torch.bfloat16])
+def test_a_mesh_sends_16_bit_grads_and_trains_as_an_fp32_copy_of_them_does(param_dtype):
+    """2x2: the 16-bit grads cross the shard group in an all-to-all, summed in FP32 where they
+    land (two ranks: one addition, as the reduce-scatter of an FP32 copy makes it); the replicate
+    hop then all-reduces that FP32 partial sum, as before (1/S of the bytes, and more than 16
+    bits of information after the first sum). Every bit equal, and the same skip."""
+    own, copy = (run_ranks(train_on_mesh, 4, 2, 2, {"param_dtype": param_dtype, "wire_dtype": wire})
+                 for wire in (None, torch.float32))
+    for a, b in zip(own, copy):
+        assert a["found"] == b["found"] == [s == BAD_STEP for s in range(STEPS)]
+        assert torch.equal(a["master"], b["master"]) and torch.equal(a["flat"], b["flat"])
 
 
 def count_collectives(rank, world_size, replicas, shards):

@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from ..tracing import compiling
 
 __all__ = ["Collectives", "FUNCTIONAL", "all_reduce_in_place", "broadcast_in_place", "completed",
-           "for_backend", "over_all_reduce"]
+           "for_backend", "over_all_reduce", "sum_received"]
 
 
 class Collectives(NamedTuple):
@@ -31,23 +31,21 @@ class Collectives(NamedTuple):
     * ``broadcast(x, src, group)`` -> rank ``src``'s ``x``
     * ``reduce_scatter_donated(x, op, dim, group)`` -> ``reduce_scatter``'s result, from a
       buffer the caller gives up: it may be overwritten (reduced in place, no copy of it)
-    * ``reduce_scatter_wide(x, dtype, op, dim, group)`` -> ``reduce_scatter``'s result for
-      ``x.to(dtype)``, a wider dtype (low-precision grads summed in FP32), complete; ``op`` is
-      ``"sum"``
     * ``all_gather_into(x, out, dim, group)`` -> ``out``, overwritten with ``all_gather``'s
       result (written in place where the backend allows: no new buffer)
     * ``all_to_all(x, output_split_sizes, input_split_sizes, group)`` -> the pieces every rank
       sent this one, concatenated in rank order (``x`` holds one piece for each rank, in order)
 
     The input tensor is always the first argument and the group's name the last.
-    The last two return their result complete (nothing in flight)."""
+    ``all_gather_into`` returns its result complete (nothing in flight). Low-precision grads
+    summed in FP32 are an ``all_to_all`` and a local sum (``Comm.reduce_scatter_bucket``,
+    :func:`sum_received`), on every backend."""
 
     reduce_scatter: Callable[..., torch.Tensor]
     all_gather: Callable[..., torch.Tensor]
     all_reduce: Callable[..., torch.Tensor]
     broadcast: Callable[..., torch.Tensor]
     reduce_scatter_donated: Callable[..., torch.Tensor]
-    reduce_scatter_wide: Callable[..., torch.Tensor]
     all_gather_into: Callable[..., torch.Tensor]
     all_to_all: Callable[..., torch.Tensor]
 
@@ -68,10 +66,6 @@ def _copy_of_all_gather(x: torch.Tensor, out: torch.Tensor, dim: int, group) -> 
     return out.copy_(completed(_all_gather(x, dim, group)))
 
 
-def _reduce_scatter_of_cast(x: torch.Tensor, dtype: torch.dtype, op: str, dim: int, group) -> torch.Tensor:
-    return completed(_reduce_scatter(x.to(dtype), op, dim, group))
-
-
 FUNCTIONAL = Collectives(
     reduce_scatter=_reduce_scatter,
     all_gather=_all_gather,
@@ -79,8 +73,6 @@ FUNCTIONAL = Collectives(
     broadcast=funcol.broadcast,
     # a reduce-scatter reads its input without copying it, whoever owns it
     reduce_scatter_donated=_reduce_scatter,
-    # NCCL sums in the dtype it is given: the wider copy first
-    reduce_scatter_wide=_reduce_scatter_of_cast,
     all_gather_into=_copy_of_all_gather,
     all_to_all=funcol.all_to_all_single,
 )
@@ -111,13 +103,7 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
       slice of it (a view, taken without waiting: the collective stays in flight);
     * all-gather = N broadcasts, rank ``i``'s ``[S]`` shard from rank ``i``, concatenated;
     * the donated reduce-scatter reduces the buffer in place (no ``[N*S]`` copy of it), and
-      ``all_gather_into`` broadcasts each shard into its own slice of ``out``;
-    * the widening reduce-scatter (BF16 or FP16 grads summed in FP32) = an all-to-all in the
-      grads' own dtype, then this rank's N pieces summed in ``dtype``, in rank order: each
-      element crosses the wire once, at 2 bytes, where the all-reduce of an FP32 copy sends
-      every element twice at 4 bytes, and there is no ``[N*S]`` FP32 copy. The same sums: at 2
-      ranks bit for bit the all-reduce's (one addition, which commutes); beyond, in rank order
-      instead of the ring's.
+      ``all_gather_into`` broadcasts each shard into its own slice of ``out``.
 
     Why: gloo's own reduce-scatter and all-gather take longer than these on the same bytes
     (``benchmarks/collectives.py``; the figures: docs/communication.md). Same results: every rank's slice of one sum that all ranks receive
@@ -127,13 +113,6 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
     def reduce_scatter(x: torch.Tensor, op: str, dim: int, group) -> torch.Tensor:
         shard = x.shape[0] // world_size
         return base.all_reduce(x, op, group).narrow(0, rank * shard, shard)
-
-    def reduce_scatter_wide(x: torch.Tensor, dtype: torch.dtype, op: str, dim: int, group) -> torch.Tensor:
-        pieces = completed(base.all_to_all(x, None, None, group)).view(world_size, -1)  # [N, S]: ours from each
-        total = pieces[0].to(dtype)
-        for piece in pieces[1:]:
-            total = total + piece.to(dtype)
-        return total
 
     def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         parts = [base.broadcast(x if i == rank else torch.empty_like(x), i, group) for i in range(world_size)]
@@ -149,8 +128,7 @@ def over_all_reduce(rank: int, world_size: int, base: Collectives = FUNCTIONAL) 
         return out
 
     return base._replace(reduce_scatter=reduce_scatter, all_gather=all_gather,
-                         reduce_scatter_donated=reduce_scatter_donated, reduce_scatter_wide=reduce_scatter_wide,
-                         all_gather_into=all_gather_into)
+                         reduce_scatter_donated=reduce_scatter_donated, all_gather_into=all_gather_into)
 
 
 def _broadcast_shards_into(out: torch.Tensor, x: torch.Tensor, rank: int, world_size: int, group: str) -> None:
@@ -190,3 +168,18 @@ def for_backend(backend: str, rank: int, world_size: int) -> Collectives:
 def completed(t: torch.Tensor) -> torch.Tensor:
     """``t``'s value: waited for if it is a collective's result still in flight, else ``t``."""
     return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def sum_received(pieces: torch.Tensor, world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[S]`` sum, in ``dtype``, of the ``world_size`` pieces an all-to-all delivered to this
+    rank (``pieces``: ``[N*S]``, rank ``r``'s piece at ``r*S``), added in rank order: a
+    reduce-scatter whose grads crossed the wire in their own dtype and are summed wider where
+    they land (Megatron-LM's ``reduce_scatter_with_fp32_accumulation``). Each element is rounded
+    once per addition, in ``dtype``: at 2 ranks bit for bit the FP32 reduce-scatter of an FP32
+    copy (one addition, which commutes); beyond, in rank order instead of the ring's, and a
+    16-bit ring reduce-scatter would round at each of its N-1 hops in 16 bits instead."""
+    rows = pieces.view(world_size, -1)
+    total = rows[0].to(dtype)
+    for piece in rows[1:]:
+        total = total + piece.to(dtype)
+    return total

@@ -19,6 +19,7 @@ import torch
 
 from ..flat import concat, split_buckets, tree_shard
 from ..layout import Layout
+from .collectives import sum_received
 from .errors import ranks_text
 
 __all__ = ["Communicator", "predivide_factor"]
@@ -61,9 +62,12 @@ class Communicator:
         low = self.data_parallel > 1 and dtype != torch.float32
         return predivide_factor(self.data_parallel) if low else 1.0
 
-    def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
-        """Finish bucket ``i``'s reduce started with ``start_mean(..., wait=False)``."""
-        return self.wait(x, f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)})")
+    def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Finish bucket ``i``'s reduce started with ``start_mean(..., wait=False)``, given the
+        same ``dtype``: grads narrower than it arrive as the N pieces of an all-to-all, summed
+        here (``reduce_scatter_bucket``)."""
+        x = self.wait(x, f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)})")
+        return x if dtype is None or dtype == x.dtype else sum_received(x, self.world_size, dtype)
 
     def first_rank_shard(self, tree, layout: Layout, *, what: str) -> torch.Tensor:
         """This rank's ``[S]`` FP32 shard of rank 0's ``tree`` (rank 0 of the whole data-parallel
@@ -85,12 +89,14 @@ class Communicator:
             mine = got if r == self.rank else mine
         return mine
 
-    def start_mean(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True) -> torch.Tensor:
+    def start_mean(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
         """Bucket ``i``'s ``[N*S_b]`` grads (a buffer the caller gives up: pre-divided in place)
-        -> this rank's ``[S_b]`` partial mean; scale by ``mean_factor(x.dtype)`` to finish it.
-        ``wait=False``: returns while the collective is in flight (see ``wait``)."""
-        pre = self._pre(x.dtype)
-        return self.reduce_scatter_bucket(x if pre == 1.0 else x.div_(pre), i, layout, wait=wait)
+        -> this rank's ``[S_b]`` partial mean, summed in ``dtype`` (default: ``x``'s); scale by
+        ``mean_factor(dtype)`` to finish it. ``wait=False``: returns while the collective is in
+        flight; ``wait_reduced`` (with the same ``dtype``) finishes it."""
+        pre = self._pre(dtype or x.dtype)
+        return self.reduce_scatter_bucket(x if pre == 1.0 else x.div_(pre), i, layout, wait=wait, dtype=dtype)
 
     def reduce_scatter_mean(self, buckets: list[torch.Tensor], layout: Layout, *, donated: bool = False,
                             dtype: torch.dtype | None = None) -> tuple[torch.Tensor, float]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..layout import Layout
 from ..tracing import compiling
 from . import arrival
-from .collectives import FUNCTIONAL, Collectives, completed, for_backend
+from .collectives import FUNCTIONAL, Collectives, completed, for_backend, sum_received
 from .communicator import Communicator
 from .errors import CollectiveError
 from .teardown import shutdown_at_exit
@@ -144,13 +144,18 @@ class Comm(Communicator):
         ``wait=False`` returns while the collective is in flight (an ``AsyncCollectiveTensor``
         that waits when first used, or explicitly via ``wait``): how backward overlaps it.
         ``donated``: ``x`` may be overwritten (``Collectives.reduce_scatter_donated``).
-        ``dtype``: summed in this dtype, wider than ``x``'s (``Collectives.reduce_scatter_wide``;
-        complete on return)."""
+        ``dtype``: summed in this dtype, wider than ``x``'s (BF16 or FP16 grads in FP32): ``x``
+        crosses the wire as it is, in an all-to-all, and this rank sums the N pieces it receives
+        in ``dtype`` (``collectives.sum_received``); each element crosses the wire once at 2
+        bytes, where a reduce-scatter of an FP32 copy sends 4 (NCCL's ring) and gloo's all-reduce
+        of one 8, and no ``[N*S_b]`` FP32 copy is made. With ``wait=False`` the pieces come back
+        in flight, and ``wait_reduced(..., dtype=dtype)`` sums them."""
         if self.world_size == 1:
             return x if dtype is None else x.to(dtype)
         what = lambda: f"reduce_scatter of grads (bucket {i} of {len(layout.buckets)}, {x.numel()} elements)"
         if dtype is not None and dtype != x.dtype:
-            return self.issue(what, self.collectives.reduce_scatter_wide, x, dtype, "sum", 0, self.group)
+            pieces = self.issue(what, self.collectives.all_to_all, x, None, None, self.group, wait=wait)
+            return sum_received(pieces, self.world_size, dtype) if wait else pieces
         fn = self.collectives.reduce_scatter_donated if donated else self.collectives.reduce_scatter
         return self.issue(what, fn, x, "sum", 0, self.group, wait=wait)
 
@@ -198,8 +203,8 @@ class Comm(Communicator):
         dist.all_gather_object(out, obj, group=self.process_group())
         return out
 
-    def time_buckets(self, layout: Layout, reduce_dtype: torch.dtype, gather_dtype: torch.dtype,
-                     device: torch.device) -> dict[str, list[float]]:
+    def time_buckets(self, layout: Layout, wire_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                     gather_dtype: torch.dtype, device: torch.device) -> dict[str, list[float]]:
         """Milliseconds of each bucket's reduce-scatter and all-gather, each run alone after a
         barrier on zero buffers of the step's sizes and dtypes, the max over ranks (the same on
         every rank). Off the hot path: it syncs the host, for a metrics log every few steps."""
@@ -217,10 +222,9 @@ class Comm(Communicator):
 
         pg = self.process_group()
         rs, ag = [], []
-        # as the step reduces: grads narrower than reduce_dtype as they are, summed in it
-        grads_dtype = gather_dtype if reduce_dtype.itemsize > gather_dtype.itemsize else reduce_dtype
+        # as the step reduces: grads in the wire dtype, summed in reduce_dtype
         for i, b in enumerate(layout.buckets):
-            x = torch.zeros(self.world_size * b.shard, dtype=grads_dtype, device=device)
+            x = torch.zeros(self.world_size * b.shard, dtype=wire_dtype, device=device)
             rs.append(timed(lambda: self.reduce_scatter_bucket(x, i, layout, dtype=reduce_dtype)))
             y = torch.zeros(b.shard, dtype=gather_dtype, device=device)
             ag.append(timed(lambda: self.all_gather_bucket(y, i, layout)))

@@ -81,8 +81,8 @@ class HybridComm(Comm):
         part = super().reduce_scatter_bucket(x, i, layout, wait=wait, donated=donated, dtype=dtype)
         return self._sum_replicas_of(part, i, layout) if wait else part
 
-    def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
-        return self._sum_replicas_of(super().wait_reduced(x, i, layout), i, layout)
+    def wait_reduced(self, x: torch.Tensor, i: int, layout: Layout, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._sum_replicas_of(super().wait_reduced(x, i, layout, dtype=dtype), i, layout)
 
     def _sum_replicas_of(self, part: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         """Bucket ``i``'s reduced ``[S_b]`` part of the shard group, summed over the replicas."""

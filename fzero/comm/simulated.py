@@ -48,9 +48,12 @@ class SimulatedComm(Communicator):
     def reduce_scatter_bucket(self, x: torch.Tensor, i: int, layout: Layout, *, wait: bool = True,
                               donated: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
         b = layout.buckets[i]
-        # summed in a wider dtype as NCCL's path does (an [N*S_b] copy in it first): its memory
-        wide = x if dtype is None else x.to(dtype)
-        return wide[self.rank * b.shard : (self.rank + 1) * b.shard] * self.data_parallel
+        if dtype is None or dtype == x.dtype:
+            return x[self.rank * b.shard : (self.rank + 1) * b.shard] * self.data_parallel
+        # summed in a wider dtype as Comm does it (their memory): the all-to-all's [N*S_b]
+        # receive buffer in x's dtype, then this rank's [S_b] sum in dtype
+        received = x.clone()
+        return received[self.rank * b.shard : (self.rank + 1) * b.shard].to(dtype) * self.data_parallel
 
     def all_gather_bucket(self, x: torch.Tensor, i: int, layout: Layout) -> torch.Tensor:
         return x.repeat(self.world_size)
@@ -71,5 +74,5 @@ class SimulatedComm(Communicator):
     def all_gather_object(self, obj) -> list:
         return [obj] * self.world_size
 
-    def time_buckets(self, layout, reduce_dtype, gather_dtype, device) -> dict[str, list[float]]:
+    def time_buckets(self, layout, wire_dtype, reduce_dtype, gather_dtype, device) -> dict[str, list[float]]:
         return {"reduce_scatter_ms": [], "all_gather_ms": []}
