@@ -37,8 +37,8 @@ def check_param_dtype(dtype) -> torch.dtype:
     return dtype
 
 
-def check_options(loss_scale, *, param_dtype, reduce_dtype, wire_dtype, stage, offload, bucket_bytes, chunk_numel,
-                  call_timeout) -> None:
+def check_options(loss_scale, *, param_dtype, reduce_dtype, wire_dtype, stage, offload, bucket_bytes,
+                  chunk_numel, call_timeout) -> None:
     """The options of ``fzero.zero1`` besides the param dtype; errors name the option."""
     if not isinstance(loss_scale, (DynamicLossScale, StaticLossScale)):
         raise TypeError(f"loss_scale must be DynamicLossScale, StaticLossScale or None, got {loss_scale!r}")

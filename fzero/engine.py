@@ -48,8 +48,8 @@ class Engine:
     engine). The binding stays here rather than in the state so that the state is a pytree of
     tensors only: what a checkpoint stores, and what ``torch.compile`` guards on."""
 
-    def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, wire_dtype, alignment, bucket_bytes, stage,
-                 offload, donate, chunk_numel, simulate, master, call_timeout):
+    def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, wire_dtype, alignment, bucket_bytes,
+                 stage, offload, donate, chunk_numel, simulate, master, call_timeout):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
         self.storage = master_storage(master, self.param_dtype)  # how state.master holds the FP32 master

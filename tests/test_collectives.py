@@ -147,6 +147,8 @@ def widening_reduce_scatter(rank, world_size):
             "spread": wide(y),
             # the all-reduce of an FP32 copy, which the step made before
             "spread all-reduced": completed(FUNCTIONAL.all_reduce(y.float(), "sum", group))[rank * S : (rank + 1) * S],
+            # every rank's values in float64: the exact sum, and the sum of their magnitudes
+            "spread, all ranks": completed(FUNCTIONAL.all_gather(y.double(), 0, group)).view(world_size, n)[:, rank * S : (rank + 1) * S],
         }
     return out, S
 
@@ -159,6 +161,11 @@ def test_the_widening_reduce_scatter_sums_low_precision_grads_in_fp32_without_an
             r = out[dtype]
             for got in r["got"].values():  # eager, waited and compiled: gloo's own sums of the FP32 copy
                 assert got.dtype == torch.float32 and torch.equal(got, r["gloo's own"])
+            # against float64: N-1 additions in FP32, each rounding by at most half an ulp of the
+            # partial sum, so |error| <= (N-1) * 2^-24 * sum |x| (a 16-bit ring would round in 16 bits)
+            every = r["spread, all ranks"]
+            bound = (world_size - 1) * 2.0**-24 * every.abs().sum(0)
+            assert ((r["spread"].double() - every.sum(0)).abs() <= bound).all()
             if world_size == 2:  # one addition, which commutes: the same bits on any values
                 assert torch.equal(r["spread"], r["spread all-reduced"])
                 # compiled, nothing FP32 of the whole buffer's size: only this rank's [S] sum
