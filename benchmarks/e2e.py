@@ -75,7 +75,12 @@ VARIANTS = {  # fzero recipes --variants can add beside the main job's
     # behaviour before grads travelled in their own dtype; FP32 params: the same as without
     "main-wire-fp32": "the main job, its BF16/FP16 grads reduce-scattered as an FP32 copy (wire_dtype=torch.float32)",
     "overlapped-wire-fp32": "overlapped, its BF16/FP16 grads reduce-scattered as an FP32 copy (wire_dtype=torch.float32)",
+    # eager end to end, the params in 4 MiB buckets: the step's all-gather blocking, or left in
+    # flight and waited for per bucket by the next (eager) forward (zero1(overlap_gather=True))
+    "eager": "engine.grad_and_value + eager step on the params pytree, 4 MiB buckets",
+    "eager-overlap-gather": "eager, the step's all-gather left in flight for the next forward (overlap_gather=True)",
 }
+OVERLAP_GATHER = "-overlap-gather"
 WIRE_FP32 = "-wire-fp32"
 
 
@@ -139,9 +144,11 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
     variant of it (``VARIANTS``)."""
     master = "params" if dtype == torch.float32 else "fp32"  # as train.py: no second FP32 copy of FP32 params
     wire = torch.float32 if variant.endswith(WIRE_FP32) else None
-    variant = variant.removesuffix(WIRE_FP32)
+    overlap = variant.endswith(OVERLAP_GATHER)
+    variant = variant.removesuffix(WIRE_FP32).removesuffix(OVERLAP_GATHER)
+    buckets = 2**22 if variant == "eager" else None
     engine = fzero.zero1(transforms.adamw(lr=LR, weight_decay=WEIGHT_DECAY), param_dtype=dtype, donate=True,
-                         master=master, wire_dtype=wire)
+                         master=master, wire_dtype=wire, bucket_bytes=buckets, overlap_gather=overlap)
     carry = list(engine.init(gpt.init(torch.Generator().manual_seed(0), cfg, device=dev)))
     loss_fn = functools.partial(gpt.loss, config=cfg)
     if variant == "main":
@@ -152,6 +159,8 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         train_step = grads_pytree_train_step(engine, loss_fn)
     elif variant == "new-grads":
         train_step = make_train_step(engine, loss_fn, compile=True, keep_grads=False)
+    elif variant == "eager":
+        train_step = eager_train_step(engine, loss_fn)
     else:  # "overlapped": engine.grad_and_value (reduce-scatter inside eager backward), compiled step
         train_step = overlapped_train_step(engine, loss_fn, torch.compile(engine.step, fullgraph=True))
 
@@ -159,6 +168,19 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         carry[0], carry[1], carry[2], _, _ = train_step(*carry, batch)
 
     return step
+
+
+def eager_train_step(engine, loss_fn):
+    """``engine.grad_and_value`` of the eager loss and the eager ``engine.step`` on the params
+    pytree: with ``overlap_gather`` the forward waits for each bucket of params as it reaches it."""
+    grad_fn = engine.grad_and_value(loss_fn)
+
+    def train_step(params, state, scaler_state, batch):
+        grads, loss = grad_fn(params, scaler_state, batch)
+        params, state, scaler_state, info = engine.step(params, grads, state, scaler_state)
+        return params, state, scaler_state, loss, info
+
+    return train_step
 
 
 def leaf_grads(compiled_loss, params, scaler_state, batch):

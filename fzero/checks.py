@@ -38,7 +38,7 @@ def check_param_dtype(dtype) -> torch.dtype:
 
 
 def check_options(loss_scale, *, param_dtype, reduce_dtype, wire_dtype, stage, offload, bucket_bytes,
-                  chunk_numel, call_timeout) -> None:
+                  chunk_numel, call_timeout, overlap_gather) -> None:
     """The options of ``fzero.zero1`` besides the param dtype; errors name the option."""
     if not isinstance(loss_scale, (DynamicLossScale, StaticLossScale)):
         raise TypeError(f"loss_scale must be DynamicLossScale, StaticLossScale or None, got {loss_scale!r}")
@@ -47,6 +47,8 @@ def check_options(loss_scale, *, param_dtype, reduce_dtype, wire_dtype, stage, o
     if wire_dtype not in (None, param_dtype, reduce_dtype):
         raise TypeError(f"wire_dtype must be None, the param_dtype {param_dtype} or the reduce_dtype {reduce_dtype}, "
                         f"got {wire_dtype}")
+    if not isinstance(overlap_gather, bool):
+        raise TypeError(f"overlap_gather must be True or False, got {overlap_gather!r}")
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage}")
     if offload not in (None, "cpu"):

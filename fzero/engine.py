@@ -49,7 +49,7 @@ class Engine:
     tensors only: what a checkpoint stores, and what ``torch.compile`` guards on."""
 
     def __init__(self, tx, *, param_dtype, loss_scale, group, mesh, reduce_dtype, wire_dtype, alignment, bucket_bytes,
-                 stage, offload, donate, chunk_numel, simulate, master, call_timeout):
+                 stage, offload, donate, chunk_numel, simulate, master, call_timeout, overlap_gather):
         self.tx = tx
         self.param_dtype = checks.check_param_dtype(param_dtype)
         self.storage = master_storage(master, self.param_dtype)  # how state.master holds the FP32 master
@@ -58,13 +58,14 @@ class Engine:
             loss_scale = DynamicLossScale() if param_dtype == torch.float16 else None
         self.loss_scale = loss_scale if loss_scale is not None else NoLossScale()
         checks.check_options(self.loss_scale, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                             wire_dtype=wire_dtype, stage=stage,
+                             wire_dtype=wire_dtype, stage=stage, overlap_gather=overlap_gather,
                              offload=offload, bucket_bytes=bucket_bytes, chunk_numel=chunk_numel,
                              call_timeout=call_timeout)
         # Every rank's slice a whole number of the transform's blocks (8-bit moments: one scale
         # per block), so that no block straddles two ranks: the transform stays rank-blind.
         self.reduce_dtype, self.alignment, self.stage = reduce_dtype, math.lcm(alignment, tx.block), stage
         self.wire_dtype = param_dtype if wire_dtype is None else wire_dtype
+        self.overlap_gather = overlap_gather
         self.bucket_numel = None if bucket_bytes is None else max(1, bucket_bytes // param_dtype.itemsize)
         self.offload, self.donate, self.chunk_numel, self.call_timeout = offload, donate, chunk_numel, float(call_timeout)
         self.comm = communicator(group=group, mesh=mesh, simulate=simulate)
@@ -120,7 +121,7 @@ class Engine:
         # scaling or transform would otherwise mix their tensors (or abort inside gloo/NCCL).
         settings = {"param_dtype": str(self.param_dtype), "master": self.storage.name, "reduce_dtype": str(self.reduce_dtype),
                     "wire_dtype": str(self.wire_dtype), "loss_scale": repr(self.loss_scale), "stage": str(self.stage),
-                    "offload": repr(self.offload)}
+                    "offload": repr(self.offload), "overlap_gather": repr(self.overlap_gather)}
         comm.check_same("engine configuration", {**layout.table(), **config_table(settings, layout, state.tx_state)})
         summed = comm.data_parallel > 1  # else nothing is summed or sent: the grads stay in the param dtype
         reduce_dtype, wire_dtype = (self.reduce_dtype, self.wire_dtype) if summed else (self.param_dtype, self.param_dtype)
@@ -131,7 +132,8 @@ class Engine:
             self._context = context.prepare() if self.tx.needs_context else context
             self._shard_tx = bind(self.tx, context)  # the transform as the step runs it on the shard
             self._kernels = plan.kernels(self.tx, self._shard_tx, state.tx_state, self.storage, bound,
-                                         world_size=comm.world_size, donate=self.donate, chunk_numel=self.chunk_numel)
+                                         world_size=comm.world_size, donate=self.donate, chunk_numel=self.chunk_numel,
+                                         overlap_gather=self.overlap_gather)
         elif self._bound != bound:
             raise ValueError("engine.init: this engine is bound to other params (structure, shapes, device or "
                              "transform state) by an earlier init; build a new engine with fzero.zero1 for them")

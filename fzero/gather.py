@@ -8,12 +8,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .arriving import arriving
 from .cast import write_into
 from .flat import leaf_views, unflatten
 from .grads import GradPath
 from .params_form import ParamsForm
 
-__all__ = ["NoGather", "GatherInto", "GatherNew"]
+__all__ = ["NoGather", "GatherInto", "GatherNew", "GatherLaunched"]
 
 
 class NoGather(NamedTuple):
@@ -47,3 +48,19 @@ class GatherNew(NamedTuple):
             write_into(params.leaves, leaf_views(new_params, path.layout))
             return params.given
         return unflatten(new_params, path.layout, like=params.given)
+
+
+class GatherLaunched(NamedTuple):
+    """Left in flight (``zero1(overlap_gather=True)``, eager): issued bucket by bucket into
+    ``buffer`` (the params' own flat buffer, donated) or a new one, and returned as the params
+    came -- the flat buffer, or a pytree of its views -- as ``fzero.arriving.Arriving`` tensors,
+    each waiting for its bucket at its first use."""
+
+    buffer: torch.Tensor | None
+
+    def run(self, path: GradPath, shard: torch.Tensor, params: ParamsForm) -> Any:
+        layout = path.layout
+        out = torch.empty(layout.padded_numel, dtype=shard.dtype, device=path.device) if self.buffer is None \
+            else self.buffer
+        in_flight = path.comm.start_all_gather_into(out, shard.to(path.device, non_blocking=True), layout)
+        return arriving(out, in_flight, layout, flat=params.flat_in, like=None if params.flat_in else params.given)

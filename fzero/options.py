@@ -26,6 +26,7 @@ def zero1(
     simulate: tuple[int, ...] | None = None,
     master: str = "fp32",
     call_timeout: float = 60.0,
+    overlap_gather: bool = False,
 ) -> Engine:
     """A ZeRO engine (stage 1 by default) for gradient transformation ``tx``.
 
@@ -90,6 +91,13 @@ def zero1(
         it; then every waiting rank raises naming the ranks that did not (default 60). A rank in
         another fzero call, or one that failed inside ``try: ... finally: fzero.shutdown()``,
         makes them raise at once (``fzero.comm.arrival``).
+      overlap_gather: an eager ``step`` on more than one rank returns once the new params'
+        all-gather is *issued*, bucket by bucket (the first layers' bucket first), and hands out
+        leaves that each wait for their bucket at their first use (any call that touches their
+        memory; views and metadata do not wait): the next forward overlaps the gathers it has
+        not reached, and a read before it reads whole params (``fzero.arriving``). The same
+        params bit for bit. Compiled steps gather in their graph either way. Default ``False``
+        (docs/communication.md has it measured).
     """
     options = dict(locals())
     return Engine(options.pop("tx"), **options)

@@ -16,7 +16,7 @@ from . import update
 from .binding import Binding
 from .cast import IntoBuffer, IntoLeaves, IntoMaster, NewTensor
 from .cpu import chunked, kernel, leafwise, native
-from .gather import GatherInto, GatherNew, NoGather
+from .gather import GatherInto, GatherLaunched, GatherNew, NoGather
 from .layout import Layout
 from .tracing import compiling
 from .norm import RowNorm
@@ -50,7 +50,8 @@ class Kernels(NamedTuple):
     update (world size 1, a transform with a fused form); ``native_leaves``: it takes the
     transform leaf by leaf (donated); ``native_norm``: the grads are on a CPU, where the eager
     norm may run the kernel; ``leaves``: the compiled update leaf by leaf
-    (``fzero.cpu.leafwise.LeafUpdate``), where a compiled step from a params pytree takes it."""
+    (``fzero.cpu.leafwise.LeafUpdate``), where a compiled step from a params pytree takes it;
+    ``overlap_gather``: an eager step leaves the params' all-gather in flight (``fzero.arriving``)."""
 
     param_dtype: torch.dtype
     donate: bool
@@ -67,11 +68,12 @@ class Kernels(NamedTuple):
     native: bool = False
     native_leaves: bool = False
     native_norm: bool = False
+    overlap_gather: bool = False
     leaves: Any = None
 
 
 def kernels(tx, shard_tx, tx_state: Any, storage, bound: Binding, *, world_size: int, donate: bool,
-            chunk_numel: int | None) -> Kernels:
+            chunk_numel: int | None, overlap_gather: bool = False) -> Kernels:
     """The ``Kernels`` of an engine bound to ``bound``: ``tx`` as given, ``shard_tx`` as the step
     runs it on the shard, ``tx_state`` its fresh state, ``storage`` the master's
     (``fzero.storage``). Builds fzero's CPU kernel where a step may run it (once per machine)."""
@@ -82,7 +84,7 @@ def kernels(tx, shard_tx, tx_state: Any, storage, bound: Binding, *, world_size:
                 chunk=chunk_numel if state_device.type == "cpu" else None, fused=tx.fused is not None,
                 needs_context=shard_tx.needs_context, low_precision=low,
                 master_in_params=isinstance(storage, ParamsMaster) and state_device == path.device,
-                reads_params=storage.reads_params, compiled=update.compiled_update())
+                reads_params=storage.reads_params, compiled=update.compiled_update(), overlap_gather=overlap_gather)
     use_native = k.fused and world_size == 1 and native.available(state_device)
     # donated only: the pure step's update leaf by leaf runs inductor's loops (fzero.cpu.leafwise)
     native_leaves = donate and use_native and kernel.native_runs(shard_tx, tx_state, S, param_dtype)
@@ -183,6 +185,8 @@ def choose(k: Kernels, params: ParamsForm, layout: Layout, *, compiled: bool) ->
 
     if cast.into_params:
         gather = NoGather()
+    elif k.overlap_gather and not compiled and not whole_buffer:  # handed out in flight (into the params' own buffer, donated)
+        gather = GatherLaunched(buffer if gather_into else None)
     else:
         gather = GatherInto(buffer) if gather_into and buffer is not None else GatherNew(write_params)
 

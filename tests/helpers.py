@@ -525,7 +525,7 @@ PLAN_SHAPES = {"w": (40, 8), "b": (8,)}  # 328 elements, 384 laid out
 
 def step_plan(*, world_size=1, flat_in=True, donate=False, compiled=False, gpu=False, fused=True, native=False,
               native_leaves=False, leaves=False, needs_context=False, low_precision=False, master="fp32",
-              chunk=256, numel=None, param_dtype=torch.float16, views=True):
+              chunk=256, numel=None, param_dtype=torch.float16, views=True, overlap_gather=False):
     """The plan ``choose`` gives an engine of this configuration on params laid out from
     ``PLAN_SHAPES`` (``flat_in``: the flat buffer; else a pytree of views of it, or with ``views=False``
     of separate tensors); ``gpu``: state and grads on a GPU (a device that is only named)."""
@@ -539,7 +539,7 @@ def step_plan(*, world_size=1, flat_in=True, donate=False, compiled=False, gpu=F
                 chunk=None if gpu else chunk, fused=fused, needs_context=needs_context, low_precision=low_precision,
                 master_in_params=master == "params", reads_params=master != "fp32",
                 compiled=fzero.update.CompiledUpdate("whole", "into"), native=native, native_leaves=native_leaves,
-                native_norm=not gpu, leaves="leaf update" if leaves else None)
+                native_norm=not gpu, leaves="leaf update" if leaves else None, overlap_gather=overlap_gather)
     leaves = None if flat_in else optree.tree_leaves(params)  # as the grads' door returns them
     form = fzero.params_form.ParamsForm.of(params, leaves, layout, traced=compiled)
     return fzero.plan.choose(k, form, layout, compiled=compiled), params
@@ -562,5 +562,7 @@ def plan_summary(plan) -> tuple:
     gather = type(plan.gather).__name__
     if gather == "GatherNew":
         gather += "(write)" if plan.gather.write else "(new)"
+    if gather == "GatherLaunched":
+        gather += "(new)" if plan.gather.buffer is None else "(into)"
     norm = type(plan.norm).__name__ + ("(traced)" if plan.norm.compiled else "")
     return update_path(plan), type(plan.cast).__name__, gather, norm, plan.segments

@@ -175,3 +175,32 @@ def test_reduce_scatter_mean_hides_the_pre_post_split(world_size, mesh):
         for dtype, (x, got_dtype) in res.items():
             assert str(got_dtype) == dtype  # reduced in the dtype it was given
             torch.testing.assert_close(x, torch.full_like(x, mean), rtol=0, atol=0)
+
+
+def gather_in_flight(rank, world_size):
+    from fzero.layout import make_layout
+    comm = fzero.comm.Comm.of(None)
+    layout = make_layout(odd_params(), world_size, bucket_numel=20)
+    shard = torch.randn(layout.shard_numel, generator=torch.Generator().manual_seed(rank)).half()
+    want = comm.all_gather_into(torch.full((layout.padded_numel,), float("nan"), dtype=torch.float16), shard, layout)
+    out = torch.full((layout.padded_numel,), float("nan"), dtype=torch.float16)
+    pending = comm.start_all_gather_into(out, shard, layout)
+    views = fzero.flat.split_buckets(out, layout)
+    got = []
+    for i in reversed(range(len(layout.buckets))):  # bucket by bucket, the first issued first
+        pending.wait(i)
+        assert all(w.is_completed() for w in pending.works[i])
+        got.append((i, views[i].clone()))
+    pending.wait_all()  # again: nothing left to wait for
+    return {"want": want, "out": out, "got": got, "buckets": len(layout.buckets),
+            "views": [v.clone() for v in fzero.flat.split_buckets(want, layout)]}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_all_gather_left_in_flight_lands_bucket_by_bucket_as_the_blocking_one(world_size):
+    for r in run_ranks(gather_in_flight, world_size):
+        assert r["buckets"] > 1
+        assert torch.equal(r["out"], r["want"])
+        for i, view in r["got"]:  # each bucket complete once waited for, before the next wait
+            assert torch.equal(view, r["views"][i])

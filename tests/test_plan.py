@@ -56,6 +56,16 @@ ROWS = [
     (dict(compiled=True, world_size=2, donate=True), ("Whole(traced)", "NewTensor", "GatherInto", "RowNorm(traced)", False)),
     (dict(compiled=True, world_size=2, flat_in=False, donate=True, leaves=True),
      ("Whole(traced)", "NewTensor", "GatherNew(new)", "RowNorm(traced)", False)),
+    # overlap_gather: eager steps on ranks leave the gather in flight; compiled ones gather in the graph
+    (dict(world_size=2, overlap_gather=True), ("FusedChunks(256) > Whole", "NewTensor", "GatherLaunched(new)",
+                                               "NativeNorm", True)),
+    (dict(world_size=2, donate=True, overlap_gather=True),
+     ("FusedChunks(256) > Whole", "NewTensor", "GatherLaunched(into)", "NativeNorm", True)),
+    (dict(world_size=2, flat_in=False, donate=True, overlap_gather=True),
+     ("FusedChunks(256) > Whole", "NewTensor", "GatherLaunched(into)", "NativeNorm", True)),
+    (dict(compiled=True, world_size=2, donate=True, overlap_gather=True),
+     ("Whole(traced)", "NewTensor", "GatherInto", "RowNorm(traced)", False)),
+    (dict(overlap_gather=True), ("FusedChunks(256) > Chunks(256)", "NewTensor", "GatherNew(new)", "NativeNorm", True)),
 ]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ from ..layout import Layout
 from .collectives import sum_received
 from .errors import ranks_text
 
-__all__ = ["Communicator", "predivide_factor"]
+__all__ = ["Communicator", "InFlightGather", "predivide_factor"]
 
 
 def predivide_factor(world_size: int) -> float:
@@ -33,6 +33,26 @@ def predivide_factor(world_size: int) -> float:
     while world_size % factor == 0 and world_size / factor > factor:
         factor *= 2
     return float(factor)
+
+
+class InFlightGather(NamedTuple):
+    """The per-bucket ``Work`` of ``Comm.start_all_gather_into``; ``wait(i)`` returns once bucket
+    ``i`` is in place, raising the communicator's ``CollectiveError`` naming it if it failed."""
+
+    works: tuple  # per bucket: c10d Work objects (none where nothing was sent)
+    what: tuple  # per bucket: how an error names it
+    failed: Callable[[str, RuntimeError], Exception]
+
+    def wait(self, i: int) -> None:
+        try:
+            for work in self.works[i]:
+                work.wait()
+        except RuntimeError as e:
+            raise self.failed(self.what[i], e) from e
+
+    def wait_all(self) -> None:
+        for i in reversed(range(len(self.works))):  # in issue order
+            self.wait(i)
 
 
 class Communicator:
@@ -135,6 +155,13 @@ class Communicator:
             self.all_gather_bucket_into(view, shard[pos : pos + b.shard], i, layout)
             pos += b.shard
         return out
+
+    def start_all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, layout: Layout) -> InFlightGather:
+        """``all_gather_into``, whose result waits for one bucket at a time; here complete on
+        return (``Comm`` leaves it in flight)."""
+        self.all_gather_into(out, shard, layout)
+        nothing = ((),) * len(layout.buckets)  # no Work to wait for
+        return InFlightGather(nothing, ("",) * len(layout.buckets), lambda what, e: e)
 
     def check_same(self, what: str, table: dict[str, str]) -> None:
         """Raise the same ``ValueError`` on every rank unless all ranks pass an equal ``table``

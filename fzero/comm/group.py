@@ -15,11 +15,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..flat import split_buckets
 from ..layout import Layout
 from ..tracing import compiling
 from . import arrival
 from .collectives import FUNCTIONAL, Collectives, completed, for_backend, sum_received
-from .communicator import Communicator
+from .communicator import Communicator, InFlightGather
 from .errors import CollectiveError
 from .teardown import shutdown_at_exit
 
@@ -170,6 +171,34 @@ class Comm(Communicator):
         if self.world_size == 1:
             return out.copy_(x)
         return self.issue(lambda: _gather_what(i, layout), self.collectives.all_gather_into, x, out, 0, self.group)
+
+    def start_all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, layout: Layout) -> InFlightGather:
+        """``all_gather_into`` left in flight: each bucket's gather into its view of ``out`` is
+        issued at once, the last bucket first (buckets fill in reverse leaf order, so the last
+        holds the first layers: what a forward needs first), and the result waits for one bucket
+        at a time (:class:`InFlightGather`). Eager only. c10d's async ops give one ``Work`` per
+        bucket: the functional collectives' registry keys in-flight work by storage, so a wait
+        on any view of ``out`` would wait for every bucket. On gloo each rank's slice is a
+        broadcast from that rank (``over_all_reduce``'s form); elsewhere one
+        ``all_gather_into_tensor`` per bucket."""
+        pg, n = self.process_group(), self.world_size
+        views = split_buckets(out, layout)
+        parts = torch.split(shard, [b.shard for b in layout.buckets])
+        works: list = [()] * len(layout.buckets)
+        for i in reversed(range(len(layout.buckets))):
+            try:
+                if n == 1:
+                    views[i].copy_(parts[i])
+                elif dist.get_backend(pg) == "gloo":
+                    slices = views[i].view(n, -1)
+                    slices[self.rank].copy_(parts[i])
+                    works[i] = tuple(dist.broadcast(slices[r], dist.get_global_rank(pg, r), group=pg, async_op=True)
+                                     for r in range(n))
+                else:
+                    works[i] = (dist.all_gather_into_tensor(views[i], parts[i], group=pg, async_op=True),)
+            except RuntimeError as e:
+                raise self._failed(_gather_what(i, layout), e) from e
+        return InFlightGather(tuple(works), tuple(_gather_what(i, layout) for i in range(len(works))), self._failed)
 
     def all_to_all(self, x: torch.Tensor, output_sizes: list[int], input_sizes: list[int]) -> torch.Tensor:
         """``x``, ``input_sizes[r]`` elements for each rank ``r`` of the shard group in turn ->
