@@ -99,7 +99,11 @@ class Arriving(torch.Tensor):
 
     def __deepcopy__(self, memo):
         self._arrival.wait()
-        return self.as_subclass(torch.Tensor).__deepcopy__(memo)
+        plain = self.as_subclass(torch.Tensor)
+        # deepcopy's memo is keyed by id: the alias must outlive the copy, or a later one may
+        # take its id (and its entry); copy.deepcopy keeps such objects in memo[id(memo)]
+        memo.setdefault(id(memo), []).append(plain)
+        return plain.__deepcopy__(memo)
 
 
 def _arriving(x: torch.Tensor, arrival: Arrival) -> Arriving:
