@@ -16,7 +16,8 @@ sharded ``DTensor`` params and gathers them in its pre-forward hooks. Here the w
 the leaf itself, so it needs no module and no hook.
 
 Cost: every call on an ``Arriving`` leaf goes through ``__torch_function__`` (microseconds in
-Python), also after its bucket arrived; the step returns new leaves each time.
+Python), also after its bucket arrived; the step returns new leaves each time. Saved
+(``torch.save``, pickle) or deep-copied, a leaf waits and comes out a plain tensor.
 """
 from __future__ import annotations
 
@@ -91,9 +92,8 @@ class Arriving(torch.Tensor):
         return optree.tree_map(lambda y: _arriving(y, pending[0]) if isinstance(y, torch.Tensor)
                                and not isinstance(y, Arriving) else y, out)
 
-
     def __reduce_ex__(self, protocol):
-        # saved (torch.save, pickle) as the plain tensor it is once arrived: its Work cannot be
+        # saved (torch.save, pickle) as the plain tensor it is once arrived: its Work cannot be saved
         self._arrival.wait()
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
 
