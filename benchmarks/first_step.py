@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from common import table  # noqa: E402
+from common import cpu_model, table  # noqa: E402
 
 
 def run(cmd: list[str], cache: str) -> float:
@@ -125,8 +125,8 @@ def main(argv=None):
                      f"{median(warm, later):.3f}", f"{statistics.median(loads):.2f}"])
         results.append({"case": name, "cold": cold, "warm": warm, "load": loads})
     import torch
-    print(f"\ntime to the first step, median of {args.runs} runs (fresh processes), torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs\n")
+    print(f"\ntime to the first step, median of {args.runs} runs (fresh processes), {cpu_model()} x{os.cpu_count()}, "
+          f"torch {torch.__version__}\n")
     print(table(rows, ["case", "first step, cold s", "first step, warm s", "a later step s", "load (1 min)"]))
     if args.json:
         with open(args.json, "w") as f:
