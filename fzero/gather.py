@@ -63,4 +63,4 @@ class GatherLaunched(NamedTuple):
         out = torch.empty(layout.padded_numel, dtype=shard.dtype, device=path.device) if self.buffer is None \
             else self.buffer
         in_flight = path.comm.start_all_gather_into(out, shard.to(path.device, non_blocking=True), layout)
-        return arriving(out, in_flight, layout, flat=params.flat_in, like=None if params.flat_in else params.given)
+        return arriving(out, in_flight, layout, flat=params.flat_in, like=params.given)

@@ -105,7 +105,7 @@ def test_a_leaf_waits_for_its_own_bucket_only_and_views_wait_for_nothing():
     bucket_of = {layout.paths[k]: i for i, b in enumerate(layout.buckets) for k in b.leaves}
     assert bucket_of["w"] != bucket_of["one"]
     log = []
-    gather = InFlightGather(tuple((Work(log, i),) for i in range(len(layout.buckets))), ("",) * len(layout.buckets),
+    gather = InFlightGather(tuple((Work(log, i),) for i in range(len(layout.buckets))), lambda i: f"bucket {i}",
                             lambda what, e: e)
     buffer = torch.arange(layout.padded_numel, dtype=torch.float32)
     params = arriving(buffer, gather, layout, flat=False, like=odd_params())
@@ -150,7 +150,7 @@ def test_params_in_flight_save_and_copy_as_plain_tensors(tmp_path):
     from fzero.arriving import arriving
     layout = fzero.make_layout(odd_params(), 1, bucket_numel=20)
     log = []
-    gather = InFlightGather(tuple((Work(log, i),) for i in range(len(layout.buckets))), ("",) * len(layout.buckets),
+    gather = InFlightGather(tuple((Work(log, i),) for i in range(len(layout.buckets))), lambda i: f"bucket {i}",
                             lambda what, e: e)
     params = arriving(torch.arange(layout.padded_numel, dtype=torch.float32), gather, layout, flat=False,
                       like=odd_params())
@@ -166,3 +166,15 @@ def test_params_in_flight_save_and_copy_as_plain_tensors(tmp_path):
         for a, b, c in zip(optree.tree_leaves(params), optree.tree_leaves(loaded), optree.tree_leaves(copied)):
             assert type(b) is torch.Tensor and type(c) is torch.Tensor
             assert torch.equal(b, a.as_subclass(torch.Tensor)) and torch.equal(c, b)
+
+
+def test_a_failed_gather_is_named_at_the_wait_of_its_bucket():
+    class Failing:
+        def wait(self):
+            raise RuntimeError("Connection closed by peer")
+
+    gather = InFlightGather(((), (Failing(),)), lambda i: f"all_gather of params (bucket {i} of 2)",
+                            lambda what, e: ValueError(f"{what} failed: {e}"))
+    gather.wait(0)  # its own bucket arrived
+    with pytest.raises(ValueError, match=r"^all_gather of params \(bucket 1 of 2\) failed: Connection closed by peer$"):
+        gather.wait(1)

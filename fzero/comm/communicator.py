@@ -40,7 +40,7 @@ class InFlightGather(NamedTuple):
     ``i`` is in place, raising the communicator's ``CollectiveError`` naming it if it failed."""
 
     works: tuple  # per bucket: c10d Work objects (none where nothing was sent)
-    what: tuple  # per bucket: how an error names it
+    what: Callable[[int], str]  # how an error names bucket i (made only on a failure)
     failed: Callable[[str, RuntimeError], Exception]
 
     def wait(self, i: int) -> None:
@@ -48,7 +48,7 @@ class InFlightGather(NamedTuple):
             for work in self.works[i]:
                 work.wait()
         except RuntimeError as e:
-            raise self.failed(self.what[i], e) from e
+            raise self.failed(self.what(i), e) from e
 
     def wait_all(self) -> None:
         for i in reversed(range(len(self.works))):  # in issue order
@@ -160,8 +160,8 @@ class Communicator:
         """``all_gather_into``, whose result waits for one bucket at a time; here complete on
         return (``Comm`` leaves it in flight)."""
         self.all_gather_into(out, shard, layout)
-        nothing = ((),) * len(layout.buckets)  # no Work to wait for
-        return InFlightGather(nothing, ("",) * len(layout.buckets), lambda what, e: e)
+        nothing = ((),) * len(layout.buckets)  # no Work to wait for: nothing can fail
+        return InFlightGather(nothing, lambda i: f"bucket {i}", lambda what, e: e)
 
     def check_same(self, what: str, table: dict[str, str]) -> None:
         """Raise the same ``ValueError`` on every rank unless all ranks pass an equal ``table``

@@ -182,6 +182,7 @@ class Comm(Communicator):
         broadcast from that rank (``over_all_reduce``'s form); elsewhere one
         ``all_gather_into_tensor`` per bucket."""
         pg, n = self.process_group(), self.world_size
+        gloo = n > 1 and dist.get_backend(pg) == "gloo"
         views = split_buckets(out, layout)
         parts = torch.split(shard, [b.shard for b in layout.buckets])
         works: list = [()] * len(layout.buckets)
@@ -189,7 +190,7 @@ class Comm(Communicator):
             try:
                 if n == 1:
                     views[i].copy_(parts[i])
-                elif dist.get_backend(pg) == "gloo":
+                elif gloo:
                     slices = views[i].view(n, -1)
                     slices[self.rank].copy_(parts[i])
                     works[i] = tuple(dist.broadcast(slices[r], dist.get_global_rank(pg, r), group=pg, async_op=True)
@@ -198,7 +199,7 @@ class Comm(Communicator):
                     works[i] = (dist.all_gather_into_tensor(views[i], parts[i], group=pg, async_op=True),)
             except RuntimeError as e:
                 raise self._failed(_gather_what(i, layout), e) from e
-        return InFlightGather(tuple(works), tuple(_gather_what(i, layout) for i in range(len(works))), self._failed)
+        return InFlightGather(tuple(works), lambda i: _gather_what(i, layout), self._failed)
 
     def all_to_all(self, x: torch.Tensor, output_sizes: list[int], input_sizes: list[int]) -> torch.Tensor:
         """``x``, ``input_sizes[r]`` elements for each rank ``r`` of the shard group in turn ->
