@@ -1,6 +1,9 @@
 # `make test`  : set up .venv (if absent) and run every test, in TEST_JOBS parallel workers.
 # `make test-fast`: the unit tier without its slow tests (no process group, no subprocess, none of
 #                the compile-heavy tests): the edit-test loop, about 40 s (1.5 min with empty caches).
+# `make test-gpu`: the device tier on CUDA (tests/test_device.py, the checks of fzero's CUDA
+#                paths, docs/devices.md): a few minutes on one GPU; it fails where no CUDA is.
+#                On a GPU machine keep its CUDA torch: `make TORCH=torch test-gpu`.
 # `make train` : set up .venv and run the main job: a character-level GPT, FP16 + dynamic loss
 #                scaling, 2 ZeRO-1 ranks on CPU (gloo), about 2 minutes.
 VENV   ?= .venv
@@ -14,7 +17,7 @@ NPROC  ?= 2
 TEST_JOBS ?= 2
 TRAIN_ARGS ?=
 
-.PHONY: setup test test-fast train clean
+.PHONY: setup test test-fast test-gpu train clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +34,9 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "unit and not slow"
+
+test-gpu: setup
+	FZERO_TEST_DEVICES=cuda $(PY) -m pytest -q -rs -m device tests/test_device.py
 
 # The flags are checked once before torchrun starts: a bad one is one line, not one per rank
 # followed by torchrun's report of failed workers.

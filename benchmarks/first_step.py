@@ -1,8 +1,9 @@
 """Time to the first step: the main job's, and a compiled ``engine.step``'s, cold and warm.
 
-Each measurement runs in a fresh process. *Cold*: an empty inductor cache (a new
-``TORCHINDUCTOR_CACHE_DIR``; fzero's own CPU kernel stays built, as on any machine after its
-first run). *Warm*: the same command again with that cache.
+Each measurement runs in a fresh process. *Cold*: empty caches (a new ``TORCHINDUCTOR_CACHE_DIR``
+and a new ``FZERO_CACHE_DIR``; fzero's own CPU kernel stays built, as on any machine after its
+first run). *Warm*: the same command again with those caches. Both programs call
+``fzero.compile_cache.warm_start()`` before compiling.
 
 * main job: ``python examples/train.py --device cpu --steps 4`` (one process), its first step's
   ``step_time_s`` from ``metrics.jsonl`` (the compiled loss and step: trace, lower, build or load
@@ -34,8 +35,10 @@ from common import cpu_model, table  # noqa: E402
 
 
 def run(cmd: list[str], cache: str) -> float:
-    """Wall seconds of ``cmd`` in a fresh process with inductor's cache at ``cache``."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    """Wall seconds of ``cmd`` in a fresh process with inductor's cache in ``cache/inductor`` and
+    fzero's (``fzero.compile_cache``) in ``cache/fzero``."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+           "FZERO_CACHE_DIR": os.path.join(cache, "fzero"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
@@ -54,9 +57,9 @@ def main_job(cache: str) -> dict:
 
 def engine(cache: str, numel: int, leaves: int, form: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        run([sys.executable, __file__, "--child", "--numel", str(numel), "--leaves", str(leaves), "--form", form,
-             "--child-out", f.name], cache)
-        return json.load(open(f.name))
+        wall = run([sys.executable, __file__, "--child", "--numel", str(numel), "--leaves", str(leaves), "--form", form,
+                    "--child-out", f.name], cache)
+        return {**json.load(open(f.name)), "process_s": wall}
 
 
 def child(args) -> None:
@@ -74,6 +77,7 @@ def child(args) -> None:
     engine = fzero.zero1(transforms.adamw(lr=1e-3, weight_decay=0.1), param_dtype=torch.float16, loss_scale=None,
                          donate=True)
     params, state, ss = engine.init(params)
+    fzero.compile_cache.warm_start()  # as the main job does
     step = torch.compile(engine.step, fullgraph=True)
     times = []
     for _ in range(2):
@@ -117,17 +121,19 @@ def main(argv=None):
         cold, warm, loads = [], [], []
         for _ in range(args.runs):
             loads.append(os.getloadavg()[0])
-            with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
+            with tempfile.TemporaryDirectory(prefix="caches-") as cache:
                 cold.append(measure(cache))
                 warm.append(measure(cache))
         later = "later_s" if "later_s" in cold[0] else "second_s"
+        process = [f"{median(r, 'process_s'):.1f}" if "process_s" in r[0] else "-" for r in (cold, warm)]
         rows.append([name, f"{median(cold, 'first_s'):.2f}", f"{median(warm, 'first_s'):.2f}",
-                     f"{median(warm, later):.3f}", f"{statistics.median(loads):.2f}"])
+                     f"{median(warm, later):.3f}", *process, f"{statistics.median(loads):.2f}"])
         results.append({"case": name, "cold": cold, "warm": warm, "load": loads})
     import torch
     print(f"\ntime to the first step, median of {args.runs} runs (fresh processes), {cpu_model()} x{os.cpu_count()}, "
           f"torch {torch.__version__}\n")
-    print(table(rows, ["case", "first step, cold s", "first step, warm s", "a later step s", "load (1 min)"]))
+    print(table(rows, ["case", "first step, cold s", "first step, warm s", "a later step s", "process, cold s",
+                       "process, warm s", "load (1 min)"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": results}, f, indent=1)

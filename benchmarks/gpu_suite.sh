@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, in one script of about 8 minutes on one H200:
+# The GPU checks, in one script of about 8 minutes on one H200. First the device tier of the tests
+# (tests/test_device.py: is fzero correct on this device?): if it fails, nothing is timed. Then
 # the no-host-sync check, the optimizer-step table at 1e9 elements (eager and compiled from the
 # grads pytree, each with donate=True and pure, against fused AdamW and fresh outputs; flat; the
 # ideal mixed-precision step (AdamW alone in one compiled loop) and fzero against it; and
@@ -35,6 +36,15 @@ fi
 # when fzero is not installed): a copy of the checkout without them cannot import them.
 if ! "$PY" -c "import fzero.transforms, fzero.models" 2>/dev/null; then
   echo "fzero.transforms is not importable by $PY: the folders transforms/ and models/ must come with the checkout" | tee -a "$OUT/suite.log"
+  exit 1
+fi
+# Correctness before speed: the device tier on CUDA (on the CPU when rehearsing), and no timing
+# at all unless it passes.
+DEVICES=$([ -n "${QUICK:-}" ] && echo cpu || echo cuda)
+echo "== device tier: FZERO_TEST_DEVICES=$DEVICES pytest -m device tests/test_device.py" | tee -a "$OUT/suite.log"
+if ! FZERO_TEST_DEVICES=$DEVICES timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider -m device tests/test_device.py 2>&1 \
+    | tee "$OUT/device_tier.log" | tee -a "$OUT/suite.log"; then
+  echo "the device tier failed on $DEVICES ($OUT/device_tier.log): fzero is not correct here, so nothing is timed" | tee -a "$OUT/suite.log"
   exit 1
 fi
 run benchmarks/sync_check.py

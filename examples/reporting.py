@@ -215,6 +215,13 @@ def summarize(records, args, world, n_params, state_bytes, tokens_per_step, tota
     }
 
 
+def compiled_graphs() -> int:
+    """The graphs torch.compile has made in this process (dynamo's ``unique_graphs``): the main
+    job compiles the loss (with its backward) and the optimizer step once each (with several
+    buckets the step alone); a recompile or a graph break adds one."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def sha256(t: torch.Tensor) -> str:
     """The SHA-256 of ``t``'s bytes, as hex."""
     # As bytes through numpy's buffer: bytes(untyped_storage()) builds them one int at a time
@@ -235,6 +242,7 @@ def print_summary(s, log_path, plot_path, trace_dir):
         ("optimizer state", f"{s['opt_state_bytes_per_rank']:,} bytes per rank, {s['world_size']} rank(s); "
                             f"{s['optimizer']}, master {s['master']}, moments {s['moments']}"),
         ("params sha256", f"{s['params_sha256'][0][:16]}... {same}"),
+        ("compiled", f"{s['compiled_graphs']} graph(s) in this process"),
         ("metrics", log_path),
         ("plot", plot_path or "not written (matplotlib is not installed)"),
     ]

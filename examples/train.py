@@ -20,7 +20,9 @@ and grad norm stay 0-d tensors on the device.
 Writes <out>/metrics.jsonl: first {"config": ...} (every flag, world size, device, torch and
 fzero versions, param count, optimizer-state bytes per rank), then one record per step (written
 at the log steps; step_time_s and tokens_per_s are the means over the steps since the last log),
-then {"summary": ...} (its "checkpoints" lists the ones saved; after --resume its "resumed" holds
+then {"summary": ...} (its "checkpoints" lists the ones saved, "compiled_graphs" the graphs
+torch.compile made in the process -- the loss and the step, however long the run, the step
+alone with --bucket-mb; after --resume its "resumed" holds
 the checkpoint, its step and the hyperparameters the run continued with); and <out>/loss.png
 (loss, learning rate, loss scale).
 
@@ -57,8 +59,8 @@ from fzero import transforms
 from flags import DTYPES, UsageError, check_args, given_flags, parse_args, resume_line, training_flags
 from ranks import exit_usage, gather_to_all, init_distributed, launched, rows_of
 from recipe import build, evaluate, load_data, lr_schedule, make_mesh, make_optimizer, make_train_step, schedule_count
-from reporting import (LogWindow, Progress, config_record, make_profiler, open_metrics, plot, print_summary,
-                       sha256, summarize, warn_stuck)
+from reporting import (LogWindow, Progress, compiled_graphs, config_record, make_profiler, open_metrics, plot,
+                       print_summary, sha256, summarize, warn_stuck)
 from saving import BackgroundSaves
 
 
@@ -150,6 +152,8 @@ def main(argv=None):
     if log:
         log.write(json.dumps(config_record(args, world, device, n_params, state_bytes, resume)) + "\n")
 
+    if args.compile:  # the caches a compiled start can use (fzero.compile_cache: docs/startup.md)
+        fzero.compile_cache.warm_start()
     train_step = make_train_step(engine, loss_fn, compile=args.compile)
     lr_fn = lr_schedule(args)
     window = LogWindow(tokens_per_step, state_bytes, skipped=extra.get("skipped_total", 0))  # over the whole run
@@ -200,6 +204,7 @@ def main(argv=None):
     digests = gather_to_all(sha256(fzero.flatten(params, engine.layout)))
     summary = summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests)
     summary["checkpoints"] = saves.saved
+    summary["compiled_graphs"] = compiled_graphs()  # a recompile would show here
     if resumed:
         summary["resumed"] = resumed
     if rank == 0:

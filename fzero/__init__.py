@@ -13,7 +13,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "transforms")) and _os.path.isf
 # fzero.comm first: its teardown notes whether a process group existed before fzero's import of
 # torch._dynamo (fzero.comm.teardown), which other modules (fzero.remainder) would make earlier.
 from .comm import CollectiveError, shutdown  # noqa: I001
-from . import checkpoint, module
+from . import checkpoint, compile_cache, module
 from .diagnostics import nonfinite_leaves
 from .engine import Engine, ZeroState
 from .flat import flatten, shard_of, tree_shard, unflatten
@@ -29,6 +29,7 @@ __all__ = [
     "Engine",
     "Layout",
     "checkpoint",
+    "compile_cache",
     "LossScaleState",
     "NoLossScale",
     "StaticLossScale",

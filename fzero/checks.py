@@ -12,6 +12,7 @@ import torch
 
 from fzero.transforms.tree import leaf_paths
 
+from .flat import tree_leaves
 from .layout import Layout
 from .memory import shared_memory
 from .scaler import DynamicLossScale, LossScaleState, StaticLossScale
@@ -82,7 +83,7 @@ def check_state(state: Any, scaler_state: Any, state_type: type, master_numel: i
     # by bytecode, and the paths were a large part of what dynamo traced of a step
     # (benchmarks/results/history/compile_time.md).
     if compiled:
-        leaves = optree.tree_leaves(state.tx_state)
+        leaves = tree_leaves(state.tx_state)
     else:
         leaves, spec = optree.tree_flatten(state.tx_state)
         if spec != tx_spec:

@@ -22,6 +22,7 @@ __all__ = [
     "tree_shard",
     "leaf_views",
     "tree_leaves",
+    "tree_map",
     "concat",
     "per_leaf_shard",
     "flat_buffer",
@@ -34,12 +35,77 @@ def concat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def tree_leaves(tree: Any) -> list:
-    """``optree.tree_leaves(tree)``, where a list of tensors is its own leaves (the stages pass
-    leaves they walked once already): traced, dynamo interprets optree's walk of such a list
-    bytecode by bytecode, for every leaf (benchmarks/results/history/compile_time.md)."""
+    """``optree.tree_leaves(tree)``. Traced, a tree of fzero's own nodes (``_own_node``) is
+    walked here: dynamo interprets optree's walk bytecode by bytecode, a registry lookup per
+    node, and the step's walks of its state were a large part of what it traced of a step
+    (docs/startup.md). A list of tensors (the stages pass leaves they walked once already) is
+    its own leaves."""
     if isinstance(tree, list) and all(isinstance(x, torch.Tensor) for x in tree):
         return tree
+    if compiling():
+        out: list = []
+        if _collect(tree, out):
+            return out
     return optree.tree_leaves(tree)
+
+
+def tree_map(fn, tree: Any, *rest: Any) -> Any:
+    """``optree.tree_map(fn, tree, *rest)``; traced, trees of fzero's own nodes of one structure
+    are mapped here, as ``tree_leaves`` walks them."""
+    if compiling() and _same_own_structure(tree, *rest):
+        return _mapped(fn, tree, *rest)
+    return optree.tree_map(fn, tree, *rest)
+
+
+# The walks below are plain loops: traced, each builtin (``all``, a generator) is more bytecode.
+def _own_node(x: Any) -> bool:
+    """A tuple, a list, or a NamedTuple of fzero's (its states, ``Quantized``): nodes optree
+    flattens into their items in order (fzero registers none of them otherwise)."""
+    t = type(x)
+    return t is tuple or t is list or (issubclass(t, tuple) and hasattr(t, "_fields") and t.__module__.startswith("fzero."))
+
+
+def _collect(tree: Any, out: list) -> bool:
+    """Append ``tree``'s leaves to ``out``; False at a node that is not fzero's own."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+        return True
+    if tree is None:
+        return True
+    if not _own_node(tree):
+        return False
+    for child in tree:
+        if not _collect(child, out):
+            return False
+    return True
+
+
+def _same_own_structure(tree: Any, *rest: Any) -> bool:
+    """Whether ``tree`` holds only tensors, ``None`` and fzero's own nodes, and each of ``rest``
+    has its structure (else optree walks them, and names any mismatch)."""
+    if isinstance(tree, torch.Tensor) or tree is None:
+        for r in rest:
+            if type(r) is not type(tree) and not (isinstance(tree, torch.Tensor) and isinstance(r, torch.Tensor)):
+                return False
+        return True
+    if not _own_node(tree):
+        return False
+    for r in rest:
+        if type(r) is not type(tree) or len(r) != len(tree):
+            return False
+    for children in zip(tree, *rest):
+        if not _same_own_structure(*children):
+            return False
+    return True
+
+
+def _mapped(fn, tree: Any, *rest: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree, *rest)
+    if tree is None:
+        return None
+    children = [_mapped(fn, *c) for c in zip(tree, *rest)]
+    return type(tree)(*children) if hasattr(type(tree), "_fields") else type(tree)(children)
 
 
 def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None,

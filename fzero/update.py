@@ -32,6 +32,7 @@ from fzero.transforms import FusedStep, scalar
 
 from .blocks import is_shard
 from .cast import NewTensor, cast_params
+from .flat import tree_leaves, tree_map
 from .grad_forms import Reduced, Segments
 
 __all__ = ["ShardGrads", "CompiledUpdate", "compiled_update", "own_compile", "update_into", "COMPILE_NUMEL",
@@ -83,7 +84,7 @@ def _update(tx, g, master, tx_state, skip, norm, param_dtype, *, traced=False):
     updates, new_tx_state = tx.update(g, tx_state, master, grad_norm=norm)
     # Skip without a branch: on overflow every state tensor keeps its old bits.
     new_master = torch.where(skip, master, master + updates)
-    new_tx_state = optree.tree_map(lambda new, old: _keep_if(skip, old, new, traced), new_tx_state, tx_state)
+    new_tx_state = tree_map(lambda new, old: _keep_if(skip, old, new, traced), new_tx_state, tx_state)
     return new_master, new_tx_state, cast_params(new_master, param_dtype)
 
 
@@ -93,7 +94,7 @@ def update_into(tx, g, master, tx_state, skip, norm, param_dtype, outs, *, trace
     and ``tx_state``): returns the new state's 0-d leaves (``count``, ...), in order."""
     new = _update(tx, g, master, tx_state, skip, norm, param_dtype, traced=traced)
     scalars = []
-    for o, n in zip(optree.tree_leaves(outs), optree.tree_leaves(new)):
+    for o, n in zip(tree_leaves(outs), tree_leaves(new)):
         if o.ndim:
             o.copy_(n)
         else:
@@ -184,13 +185,13 @@ def fused_inputs(master: torch.Tensor, tx_state: Any, donate: bool) -> tuple[tor
         return master, tx_state
     S = master.numel()
     copy = lambda x: x.clone() if is_shard(x, S) and x.is_floating_point() else x  # noqa: E731
-    return optree.tree_map(copy, (master, tx_state))
+    return tree_map(copy, (master, tx_state))
 
 
 def fused_state(tx_state: Any, fused: FusedStep, S: int) -> Any:
     """The new transform state after ``fused.kernel``: the ``[S]`` tensors it wrote, the 0-d
     leaves of the fused step's state."""
-    return optree.tree_map(lambda full, new: full if is_shard(full, S) else new, tx_state, fused.state)
+    return tree_map(lambda full, new: full if is_shard(full, S) else new, tx_state, fused.state)
 
 
 def fused_whole(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, skip, norm, *, param_dtype, chunk=None,

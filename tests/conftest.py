@@ -8,7 +8,8 @@ Every test belongs to one tier (pytest markers, declared in pyproject.toml):
 * ``e2e``: runs a script as its users do (``examples/``, ``benchmarks/``), under torchrun for
   ranks.
 
-``slow`` marks the longest tests of any tier. The edit-test loop runs the fast tier,
+``slow`` marks the longest tests of any tier; ``device``, the device tier (tests/test_device.py:
+the checks of the CUDA paths, run on the CPU here and on CUDA by ``make test-gpu``). The edit-test loop runs the fast tier,
 ``pytest -m "unit and not slow"`` (``make test-fast``); ``make test`` runs every tier.
 
 A test that starts ranks or the main job without its tier's marker fails (``FZERO_TEST_TIER``,

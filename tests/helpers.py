@@ -373,10 +373,11 @@ def ckpt_engine(moments=None, **kw):
 
 
 def ckpt_steps(engine, params, state, ss, steps):
-    """Grads that do not depend on the rank or world size, so every world size trains alike."""
+    """Grads that do not depend on the rank or world size, so every world size trains alike (on
+    the state's device)."""
     p0 = ckpt_params()
     for step in steps:
-        grads = optree.tree_map(lambda g: (g * ss.scale).to(torch.float16), grads_like(p0, step))
+        grads = optree.tree_map(lambda g: (g.to(ss.scale.device) * ss.scale).to(torch.float16), grads_like(p0, step))
         if step == CKPT_BAD_STEP:
             grads["w"][0, 0] = float("inf")
         params, state, ss, _ = engine.step(params, grads, state, ss)

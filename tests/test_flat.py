@@ -1,9 +1,12 @@
 import math
+from typing import NamedTuple
 
 import optree
 import pytest
 import torch
 
+import fzero
+from fzero import flat, transforms
 from fzero.flat import flatten, shard_of, tree_shard, unflatten
 from fzero.layout import make_layout
 
@@ -190,3 +193,34 @@ def test_grads_into_rejects_a_buffer_unlike_the_params():
     unflatten(flat, layout, grads_into=both[layout.padded_numel :])  # beside it in one storage: fine
     with pytest.raises(ValueError, match="under a torch.func transform"):
         torch.func.grad(lambda f: unflatten(f, layout, grads_into=torch.zeros_like(f))["z"].float().sum())(flat)
+
+
+class Foreign(NamedTuple):  # a NamedTuple fzero does not own: optree walks it
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def test_traced_walks_of_fzeros_own_nodes_equal_optrees_and_leave_others_to_it():
+    """``fzero.flat.tree_leaves``/``tree_map`` walk fzero's own nodes (tuples, lists, its
+    NamedTuple states, ``Quantized``) themselves when traced: the same leaves, in the same
+    order, and the same mapped tree as optree's; a dict or a foreign NamedTuple goes to optree,
+    and so does a mismatch of structures (optree names it)."""
+    engine = fzero.zero1(transforms.chain(transforms.clip_by_global_norm(1.0),
+                                          transforms.adamw(mu_dtype=torch.int8, nu_dtype=torch.int8)))
+    _, state, _ = engine.init({"w": torch.randn(300), "b": torch.randn(7)})
+    other = {"z": torch.ones(2), "a": [torch.zeros(1), None]}
+    trees = [state, (state.master, state.tx_state), other, Foreign(torch.ones(1), torch.zeros(2))]
+
+    def both(tree):
+        return flat.tree_leaves(tree), flat.tree_map(lambda x, y: x + 2 * y, tree, tree)
+
+    compiled = torch.compile(both, fullgraph=True)
+    for tree in trees:
+        leaves, mapped = compiled(tree)
+        want = optree.tree_leaves(tree)
+        assert len(leaves) == len(want) and all(torch.equal(a, b) for a, b in zip(leaves, want))
+        assert optree.tree_structure(mapped) == optree.tree_structure(tree)
+        assert all(torch.equal(a, 3 * b) for a, b in zip(optree.tree_leaves(mapped), want))
+    assert type(compiled(state)[1].tx_state[1][0].mu) is transforms.quantize.Quantized
+    with pytest.raises(Exception, match="(?i)structure|arity|length|mismatch"):
+        torch.compile(lambda a, b: flat.tree_map(torch.add, a, b))((torch.ones(1),), (torch.ones(1), torch.ones(1)))

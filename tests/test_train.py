@@ -566,6 +566,26 @@ def test_a_resumed_run_counts_skipped_steps_over_the_whole_run(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
+def test_a_long_compiled_run_with_skips_and_a_resume_compiles_each_graph_once_per_process(tmp_path):
+    """2,000 compiled steps of the main job -- warmup then cosine, a loss scale that overflows and
+    backs off again and again, a checkpoint at step 1,000 and a resume from it in a new process
+    -- and each process compiled two graphs, the loss and the step: nothing recompiled as the
+    learning rate, the loss scale, the step count or the loaded state changed (dynamo's count)."""
+    script = train_after(tmp_path / "overflowing.py", OVERFLOWING.replace("growth_interval=1", "growth_interval=20"))
+    args = ["--model", "mlp", "--mlp-dims", "8,32,4", "--dtype", "fp16", "--log-every", "100", "--eval-every", "500"]
+    first, s1, _ = train(tmp_path / "run", *args, "--steps", "1000", "--save-every", "1000", compile=True, script=script)
+    second, s2, _ = train(tmp_path / "b", *args, "--steps", "2000", "--resume", str(tmp_path / "run" / "ckpt" / "step-1000"),
+                          compile=True, script=script)
+    records = first + second
+    assert [r["step"] for r in records] == list(range(1, 2001))
+    assert records[-1]["skipped_total"] > 2 * 20 and s2["skipped_steps"] > 10  # skips all along, after the resume too
+    lrs = [r["lr"] for r in records]
+    assert lrs[0] < max(lrs) and lrs[-1] < max(lrs) / 5  # warmup, then the cosine's decay
+    assert s1["compiled_graphs"] == s2["compiled_graphs"] == 2
+
+
+@pytest.mark.e2e
 def test_resume_takes_the_training_flags_it_is_not_given_from_the_checkpoint(saved_run, tmp_path):
     """``--resume`` alone continues the saved run exactly -- model, BF16 over the remainder master,
     seed, batch, schedule, clipping -- and says on one line which flags it took from the
