@@ -17,7 +17,7 @@ from fzero.models import gpt
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MLP_DIMS = "64,256,256,64"
 MOMENTS = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}  # --moments: scale_by_adam's mu_dtype/nu_dtype
-OPTIMIZERS = ("adamw", "muon")  # --optimizer: examples/recipe.py's make_optimizer
+OPTIMIZERS = ("adamw", "muon", "lion")  # --optimizer: examples/recipe.py's make_optimizer
 GPT_CONFIGS = {  # vocab_size becomes the data's (97 characters); params counted at that vocab
     "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),  # 0.11M: minutes on CPU
     "tiny": gpt.GPTConfig.tiny,  # 0.82M
@@ -50,10 +50,14 @@ def make_parser(**kwargs) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw on every param, or muon: Muon (orthogonalized momentum, its update scaled to AdamW's "
                         "RMS, so --lr and --weight-decay carry over) on the blocks' weight matrices and AdamW on "
-                        "the embeddings, LayerNorms and biases, the nanoGPT-speedrun split (--model gpt): %(default)s")
+                        "the embeddings, LayerNorms and biases, the nanoGPT-speedrun split (--model gpt); or lion: "
+                        "Lion (the sign of an interpolation of the momentum and the grad; one momentum, stored as "
+                        "--moments says) on every param, with the same schedule and decay mask: give it about 1/10 of "
+                        "AdamW's --lr and 10x its --weight-decay (the paper's advice): %(default)s")
     p.add_argument("--moments", choices=list(MOMENTS), default="fp32",
                    help="how AdamW stores its two moments: fp32 (4+4 bytes/param), bf16 (2+2), or int8 (8-bit codes "
-                        "with one FP32 scale per 256 elements: ~1+1); the math is FP32 (default: %(default)s)")
+                        "with one FP32 scale per 256 elements: ~1+1); Lion its one momentum, fp32 or bf16; the math is "
+                        "FP32 (default: %(default)s)")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps: %(default)s")
     p.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch, sequences: %(default)s")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, warmup then cosine to 1/10: %(default)s")
@@ -161,6 +165,8 @@ def check_args(args, world: int, given: set[str] | None = None) -> dict | None:
         if args.moments == "int8":
             raise UsageError("--moments int8 keeps AdamW's moments in blocks of 256 elements, which the AdamW group "
                              "of --optimizer muon does not align to: use --moments bf16 or fp32")
+    if args.optimizer == "lion" and args.moments == "int8":
+        raise UsageError("--optimizer lion keeps one momentum in fp32 or bf16: use --moments fp32 or bf16, not int8")
     args.keep_master = keep_master(args)
     if args.keep_master == "remainder" and args.dtype != "bf16":
         raise UsageError("--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, "

@@ -70,12 +70,16 @@ def make_optimizer(args) -> transforms.GradientTransformation:
     moments stored as ``--moments`` says. ``--optimizer muon``: Muon on the blocks' weight
     matrices instead (``gpt.muon_labels``), with the same schedule and weight decay, its update
     scaled to AdamW's RMS (``adjust_lr_fn="match_rms_adamw"``, Moonshot's: AdamW's learning rate
-    carries over), and AdamW on the rest."""
+    carries over), and AdamW on the rest. ``--optimizer lion``: Lion on every param, with the same
+    schedule, weight decay and mask, its momentum stored as ``--moments`` says."""
     lr = lr_schedule(args)
     clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
     moments = MOMENTS[args.moments]
     adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays,
                              mu_dtype=moments, nu_dtype=moments)
+    if args.optimizer == "lion":
+        return transforms.chain(*clip, transforms.lion(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
+                                                       weight_decay_mask=decays, mu_dtype=moments))
     if args.optimizer == "muon":
         muon = transforms.muon(lr=lr, weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw")
         return transforms.chain(*clip, transforms.partition({"muon": muon, "adamw": adamw}, gpt.muon_labels))

@@ -129,8 +129,8 @@ def main(argv=None):
         print(f"{name}: {n_params:,} params | {args.dtype} | {world} rank(s) on {device.type} | {data}")
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
         kept = KEPT_MASTER[args.keep_master]
-        moments = (f"2 {args.moments} moments" if args.optimizer == "adamw" else
-                   f"Muon's momentum on the blocks' matrices, 2 {args.moments} moments on the rest")
+        moments = {"adamw": f"2 {args.moments} moments", "lion": f"Lion's {args.moments} momentum",
+                   "muon": f"Muon's momentum on the blocks' matrices, 2 {args.moments} moments on the rest"}[args.optimizer]
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + {moments} + the decay mask, "
               f"1/{shards} each: "
               f"{how}); {len(engine.layout.buckets)} communication bucket(s)")

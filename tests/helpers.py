@@ -143,6 +143,13 @@ def train_with_master(master, param_dtype, *, steps, bad_step, compiled=False, d
     return engine, params, state, history, ss
 
 
+def mean_grads(grads_of_rank, world_size):
+    """The mean over ranks ``0..world_size-1`` of ``grads_of_rank(r)`` (pytrees), in float64,
+    then FP32: what one process is fed to stand for the ranks' reduce-scatter."""
+    return optree.tree_map(lambda *gs: torch.stack(gs).double().mean(0).float(),
+                           *[grads_of_rank(r) for r in range(world_size)])
+
+
 def torch_adamw(params, grads_list, **kw):
     return torch_optimizer(torch.optim.AdamW, params, grads_list, **kw)
 

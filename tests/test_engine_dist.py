@@ -6,7 +6,7 @@ import torch
 import fzero
 from fzero import transforms
 from distributed import init_group, run_ranks
-from helpers import NewTensors, grads_like, odd_params
+from helpers import NewTensors, grads_like, mean_grads, odd_params
 
 STEPS = 6
 BAD_STEP = 3  # rank 1 alone sees an inf at this step
@@ -205,8 +205,7 @@ def test_clipping_masks_schedules_across_ranks_equal_one_process(world_size):
     params, state, ss = engine.init(p0)
     norms = []
     for step in range(STEPS):
-        mean = optree.tree_map(lambda *gs: torch.stack(gs).double().mean(0).float(),
-                               *[rank_grads(p0, step, r) for r in range(world_size)])
+        mean = mean_grads(lambda r: rank_grads(p0, step, r), world_size)
         params, state, ss, info = engine.step(params, mean, state, ss)
         norms.append(info["grad_norm"])
     assert torch.all(torch.stack(norms) > 0.5)  # every step was clipped

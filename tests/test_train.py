@@ -273,6 +273,7 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--keep-master", "remainder"], 1, "--keep-master remainder keeps the master below BF16 params: it needs --dtype bf16, got --dtype fp16"),
     (["--optimizer", "muon", "--model", "mlp"], 1, "--optimizer muon trains the GPT's blocks' matrices with Muon: it needs --model gpt"),
     (["--optimizer", "muon", "--moments", "int8"], 1, "--moments int8 keeps AdamW's moments in blocks of 256 elements"),
+    (["--optimizer", "lion", "--moments", "int8"], 1, "--optimizer lion keeps one momentum in fp32 or bf16"),
     # flags that fix the model and its optimizer state, against the checkpoint's (RESUMABLE)
     (["--resume", "{ckpt}", "--dtype", "fp16"], 1,
      "--resume {ckpt}: --dtype fp16 (checkpoint: bf16): these flags fix the model and its optimizer state; "
@@ -694,6 +695,17 @@ def decayed_args(train_py):
     return train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10"])
 
 
+def assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, *, lr, weight_decay):
+    """One step with zero grads: an optimizer whose update of zero grads from a zero state is
+    zero moves the decayed matrices (every one here) by the decay alone, the 1-D params not at all."""
+    new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
+    for old, x in zip(optree.tree_leaves(p), optree.tree_leaves(new)):
+        if old.ndim >= 2:
+            torch.testing.assert_close(x, old * (1 - lr * weight_decay), rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(x, old)
+
+
 def test_weight_decay_mask_is_the_ndim_rule():
     """train.py decays matrices (weights, embeddings), not biases or norm gains (nanoGPT's
     ndim >= 2 rule): the mask adamw keeps, on the params pytree."""
@@ -714,12 +726,7 @@ def test_engine_step_decays_matrices_only():
     train_py = load_train_module()
     engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py)), param_dtype=torch.float32)
     p, state, scaler_state = engine.init(nano_gpt_params())
-    new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
-    for old, x in zip(optree.tree_leaves(p), optree.tree_leaves(new)):
-        if old.ndim >= 2:
-            torch.testing.assert_close(x, old * (1 - 0.1 * 0.5), rtol=1e-6, atol=0)
-        else:
-            assert torch.equal(x, old)
+    assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, lr=0.1, weight_decay=0.5)
 
 
 def test_muon_optimizer_trains_the_blocks_matrices_with_muon_and_the_rest_with_adamw():
@@ -738,12 +745,23 @@ def test_muon_optimizer_trains_the_blocks_matrices_with_muon_and_the_rest_with_a
     muon_numel = sum(x.numel() for x, l in zip(optree.tree_leaves(p), labels) if l == "muon")
     assert inner["muon"][0].momentum_buffer.numel() == muon_numel
     assert inner["adamw"][0].mu.numel() == engine.layout.numel - muon_numel
-    new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
-    for old, x in zip(optree.tree_leaves(p), optree.tree_leaves(new)):
-        if old.ndim >= 2:
-            torch.testing.assert_close(x, old * (1 - 0.1 * 0.5), rtol=1e-6, atol=0)
-        else:
-            assert torch.equal(x, old)
+    assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, lr=0.1, weight_decay=0.5)
+
+
+@pytest.mark.parametrize("moments, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_lion_optimizer_trains_every_param_with_lion_and_the_usual_decay_mask(moments, dtype):
+    """--optimizer lion: one engine step with zero grads at lr 0.1, weight decay 0.5. Lion's sign
+    of a zero interpolation is zero, so the matrices move by the decay alone and the 1-D params
+    stay; its state is one momentum over every param, stored as --moments says."""
+    train_py = load_train_module()
+    args = train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10",
+                                "--optimizer", "lion", "--moments", moments])
+    engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.float32)
+    p, state, scaler_state = engine.init(nano_gpt_params())
+    lion_state = state.tx_state[1][0]  # chain(clip, lion = chain(scale_by_lion, decay, lr))
+    assert isinstance(lion_state, transforms.ScaleByLionState)
+    assert lion_state.mu.numel() == state.master.numel() and lion_state.mu.dtype == dtype
+    assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, lr=0.1, weight_decay=0.5)
 
 
 # ---------------------------------------------------------------- the compiled, sync-free main job

@@ -22,6 +22,7 @@ from .combine import MaskedState, chain, masked
 from .context import ShardContext, Split, resolve_per_leaf
 from .fused import FusedStep
 from .hyperparams import get_hyperparams, iter_hyperparams, set_hyperparams
+from .lion import ScaleByLionState, lion, scale_by_lion
 from .clip import clip_by_global_norm, global_norm
 from .muon import ScaleByMuonState, muon, newton_schulz, scale_by_muon
 from .partition import PartitionState, partition
@@ -36,6 +37,7 @@ __all__ = [
     "MaskedState",
     "PartitionState",
     "ScaleByAdamState",
+    "ScaleByLionState",
     "ScaleByMuonState",
     "ShardContext",
     "Split",
@@ -53,6 +55,7 @@ __all__ = [
     "identity",
     "linear",
     "linear_warmup",
+    "lion",
     "masked",
     "muon",
     "newton_schulz",
@@ -63,6 +66,7 @@ __all__ = [
     "with_host_value",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_lion",
     "scale_by_muon",
     "set_hyperparams",
     "sgd",

@@ -1,0 +1,158 @@
+"""transforms.lion: against optax.lion run live (JAX on the CPU, the same numbers), float64 math,
+through the engine at 1, 2 and 4 ranks against one process fed the mean grads, compiled against
+eager, and its arguments' errors."""
+from __future__ import annotations
+
+import numpy as np
+import optree
+import pytest
+import torch
+
+import fzero
+from fzero import transforms
+from distributed import run_ranks
+from helpers import grads_like, mean_grads, odd_params, run_tx
+
+STEPS = 6
+SCHEDULE = transforms.warmup_cosine_decay(0.0, 3e-3, 2, STEPS)  # lr 0 at the first step: only decay moves
+
+
+def decays(p):
+    return optree.tree_map(lambda x: x.ndim > 1, p)
+
+
+def seq(n=STEPS):
+    return [grads_like(odd_params(), s) for s in range(n)]
+
+
+def optax_run(params, grads, *, lr, b1, b2, weight_decay, mask):
+    """``optax.lion`` on the same numbers, as numpy (FP32)."""
+    jnp = pytest.importorskip("jax.numpy", reason="optax's reference needs JAX (pip install jax optax)")
+    optax = pytest.importorskip("optax", reason="the reference is optax.lion (pip install optax)")
+    to_j = lambda t: optree.tree_map(lambda x: jnp.asarray(x.numpy()), t)  # noqa: E731
+    if callable(lr):
+        schedule = lr
+        lr = lambda count: float(schedule(torch.tensor(int(count), dtype=torch.int32)))  # noqa: E731
+    opt = optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
+    p = to_j(params)
+    state = opt.init(p)
+    for g in grads:
+        updates, state = opt.update(to_j(g), state, p)
+        p = optax.apply_updates(p, updates)
+    return optree.tree_map(np.asarray, p), optree.tree_map(np.asarray, state[0].mu)
+
+
+def float64_lion(params, grads, *, lr, b1, b2, weight_decay, mask):
+    """The algorithm in float64 (sign of the float64 interpolation)."""
+    p = optree.tree_map(lambda x: x.double(), params)
+    m = optree.tree_map(torch.zeros_like, p)
+    for step, g in enumerate(grads):
+        rate = float(lr(torch.tensor(step, dtype=torch.int32))) if callable(lr) else lr
+        g = optree.tree_map(lambda x: x.double(), g)
+        u = optree.tree_map(lambda g, m: torch.sign((1 - b1) * g + b1 * m), g, m)
+        p = optree.tree_map(lambda p, u, d: p - rate * (u + (weight_decay * p if d else 0)), p, u, mask(params))
+        m = optree.tree_map(lambda g, m: (1 - b2) * g + b2 * m, g, m)
+    return p, m
+
+
+CASES = [(0.9, 0.99, 0.0), (0.95, 0.98, 0.5)]  # (b1, b2, weight_decay)
+
+
+@pytest.mark.parametrize("lr", [1e-3, SCHEDULE], ids=["constant", "schedule"])
+@pytest.mark.parametrize("b1, b2, weight_decay", CASES)
+def test_lion_is_optax_lion(lr, b1, b2, weight_decay):
+    """Params and momentum against optax's, run on the same numbers (skipped without JAX and
+    optax: ``pip install -e '.[reference]'``)."""
+    params, grads = odd_params(), seq()
+    tx = transforms.lion(lr, betas=(b1, b2), weight_decay=weight_decay, weight_decay_mask=decays)
+    got, state = run_tx(tx, params, grads)
+    want, want_mu = optax_run(params, grads, lr=lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decays)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+        torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-7)
+    for a, b in zip(optree.tree_leaves(state[0].mu), optree.tree_leaves(want_mu)):
+        torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("lr", [1e-3, SCHEDULE], ids=["constant", "schedule"])
+@pytest.mark.parametrize("b1, b2, weight_decay", CASES)
+def test_lion_is_the_algorithm_in_float64(lr, b1, b2, weight_decay):
+    params, grads = odd_params(), seq()
+    tx = transforms.lion(lr, betas=(b1, b2), weight_decay=weight_decay, weight_decay_mask=decays)
+    got, state = run_tx(tx, params, grads)
+    ref, ref_mu = float64_lion(params, grads, lr=lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decays)
+    for a, b in zip(optree.tree_leaves((got, state[0].mu)), optree.tree_leaves((ref, ref_mu))):
+        torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-7)
+
+
+def test_every_step_moves_each_element_by_lr_and_bf16_momentum_rounds_only_the_state():
+    params, grads = odd_params(), seq(3)
+    got, _ = run_tx(transforms.lion(1e-2), params, grads[:1])
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(params)):
+        torch.testing.assert_close((a - b).abs(), torch.full_like(a, 1e-2), rtol=1e-5, atol=0)  # |sign| = 1
+    _, s32 = run_tx(transforms.lion(1e-2, mu_dtype=torch.float32), params, grads)
+    _, s16 = run_tx(transforms.lion(1e-2, mu_dtype=torch.bfloat16), params, grads)
+    # BF16 momentum: each step's FP32 moment rounded to BF16 when stored, nothing else
+    w2, c2 = torch.tensor(1 - 0.99, dtype=torch.float32), torch.tensor(0.99, dtype=torch.float32)
+    want = optree.tree_map(lambda p: torch.zeros_like(p, dtype=torch.bfloat16), params)
+    for g in grads:
+        want = optree.tree_map(lambda g, m: (w2 * g + c2 * m.float()).bfloat16(), g, want)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(s16[0].mu), optree.tree_leaves(want)))
+    assert transforms.get_hyperparams(s16) == transforms.get_hyperparams(s32)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: transforms.lion(betas=(1.0, 0.99)), r"scale_by_lion: b1 must be in \[0, 1\), got 1.0"),
+    (lambda: transforms.lion(betas=(0.9, -0.1)), r"scale_by_lion: b2 must be in \[0, 1\), got -0.1"),
+    (lambda: transforms.lion(betas=(0.9,)), r"lion: betas must be \(b1, b2\)"),
+    (lambda: transforms.lion(lr=-1.0), r"lion: lr must be a finite number >= 0, got -1.0"),
+    (lambda: transforms.lion(weight_decay=float("nan")), r"lion: weight_decay must be a finite number >= 0, got nan"),
+    (lambda: transforms.lion(mu_dtype=torch.int8), r"scale_by_lion: mu_dtype must be None, torch.float32 or torch.bfloat16"),
+])
+def test_bad_arguments_name_the_argument_and_a_valid_value(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def lion_tx():
+    return transforms.chain(transforms.clip_by_global_norm(1.0),
+                            transforms.lion(SCHEDULE, weight_decay=0.3, weight_decay_mask=decays))
+
+
+def rank_steps(rank, world_size):
+    p0 = odd_params()
+    engine = fzero.zero1(lion_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64)
+    params, state, ss = engine.init(p0)
+    for step in range(STEPS):
+        params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
+    return {"params": params, "numel": engine.layout.numel}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_through_the_engine_ranks_equal_one_process_on_the_mean_grads(world_size):
+    out = run_ranks(rank_steps, world_size)
+    p0 = odd_params()
+    engine = fzero.zero1(lion_tx(), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = engine.init(p0)
+    for step in range(STEPS):
+        mean = mean_grads(lambda r: grads_like(p0, 10 * step + r), world_size)
+        params, state, ss, _ = engine.step(params, mean, state, ss)
+    for r in out:
+        for a, b in zip(optree.tree_leaves(r["params"]), optree.tree_leaves(params)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_one_rank_engine_equals_the_transform_and_compiled_equals_eager():
+    p0, grads = odd_params(), seq()
+    want, _ = run_tx(lion_tx(), p0, grads)
+    runs = []
+    for compiled in (False, True):
+        engine = fzero.zero1(lion_tx(), param_dtype=torch.float32, loss_scale=None)
+        params, state, ss = engine.init(p0)
+        step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
+        for g in grads:
+            params, state, ss, _ = step(params, g, state, ss)
+        runs.append(params)
+    for run in runs:
+        for a, b in zip(optree.tree_leaves(run), optree.tree_leaves(want)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
