@@ -156,3 +156,48 @@ def test_one_rank_engine_equals_the_transform_and_compiled_equals_eager():
     for run in runs:
         for a, b in zip(optree.tree_leaves(run), optree.tree_leaves(want)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def partitioned_tx():
+    """Lion on the matrices, AdamW on the rest, clipped: ``partition`` with Lion in it."""
+    labels = lambda p: optree.tree_map(lambda x: "lion" if x.ndim > 1 else "adamw", p)  # noqa: E731
+    return transforms.chain(transforms.clip_by_global_norm(1.0), transforms.partition(
+        {"lion": transforms.lion(SCHEDULE, weight_decay=0.3), "adamw": transforms.adamw(1e-2)}, labels))
+
+
+def mesh_steps(rank, world_size, path):
+    """2x2 mesh, 16-element buckets: STEPS steps, a checkpoint after step 3 at ``path``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    p0 = odd_params()
+    engine = fzero.zero1(partitioned_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, mesh=mesh)
+    params, state, ss = engine.init(p0)
+    for step in range(STEPS):
+        params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
+        if step == 2:
+            fzero.checkpoint.save(path, params, state, ss, engine, extra={"step": 3})
+    return {"params": params}
+
+
+@pytest.mark.multirank
+def test_on_a_mesh_with_partition_and_a_checkpoint_loaded_at_one_rank_it_trains_as_one_process(tmp_path):
+    """Lion beside AdamW (``partition``) on a 2x2 mesh equals one process on the mean grads; its
+    checkpoint, saved on the mesh after 3 steps and loaded by one process, continues to the same
+    params."""
+    path = str(tmp_path / "ckpt")
+    out = run_ranks(mesh_steps, 4, path)
+    p0 = odd_params()
+    engine = fzero.zero1(partitioned_tx(), param_dtype=torch.float32, loss_scale=None)
+
+    def run(params, state, ss, steps):
+        for step in steps:
+            params, state, ss, _ = engine.step(params, mean_grads(lambda r: grads_like(p0, 10 * step + r), 4), state, ss)
+        return params, state, ss
+
+    want, *_ = run(*engine.init(p0), range(STEPS))
+    params, state, ss, extra = fzero.checkpoint.load(path, engine)
+    assert extra == {"step": 3}
+    resumed, *_ = run(params, state, ss, range(3, STEPS))
+    for got in [r["params"] for r in out] + [resumed]:
+        for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
