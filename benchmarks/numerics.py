@@ -19,9 +19,10 @@ within 1% of FP32 moments, every loss finite, no extra skipped steps.
     python benchmarks/numerics.py --moments --lrs 3e-3 1e-2   # 30 runs, about 20 minutes
 
 ``--optimizers``: AdamW against Muon + AdamW (``train.py --optimizer muon``: Muon on the blocks'
-matrices) at equal steps, FP16 params, 1 rank, seeds 1-3, reported as measured.
+matrices) and Lion (``--optimizer lion``, at its own ``--lr`` and ``--weight-decay``:
+``OPTIMIZER_FLAGS``) at equal steps, FP16 params, 1 rank, seeds 1-3, reported as measured.
 
-    python benchmarks/numerics.py --optimizers                 # 6 runs
+    python benchmarks/numerics.py --optimizers                 # 9 runs
 """
 from __future__ import annotations
 
@@ -40,19 +41,25 @@ ROWS = [("fp32", "fp32"), ("fp16", "fp32"), ("bf16", "fp32"), ("bf16", "remainde
 
 
 def run(dtype: str, master: str, ranks: int, steps: int, out: str, *, moments: str = "fp32", seed: int = 0,
-        lr: float | None = None, optimizer: str = "adamw") -> dict:
+        lr: float | None = None, optimizer: str = "adamw", weight_decay: float | None = None) -> dict:
     """One main-job run; ``{"losses": [...], "summary": {...}}`` from its metrics.jsonl."""
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={ranks}"]
     cmd = [*launcher, TRAIN, "--device", "cpu", "--no-compile", "--dtype", dtype, "--keep-master", master,
            "--moments", moments, "--optimizer", optimizer, "--seed", str(seed), "--steps", str(steps), "--out", out,
-           *([] if lr is None else ["--lr", str(lr)])]
+           *([] if lr is None else ["--lr", str(lr)]),
+           *([] if weight_decay is None else ["--weight-decay", str(weight_decay)])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return {"losses": [r["loss"] for r in lines[1:-1]], "summary": lines[-1]["summary"]}
 
+
+# --optimizers: each optimizer's flags beside train.py's defaults. Lion's steps are lr per
+# element: a third of AdamW's lr and 10x its decay (the best of lr 3e-4, 6e-4, 1e-3 at weight
+# decay 0.1 on one seed, docs/optimizers.md).
+OPTIMIZER_FLAGS = {"adamw": {}, "muon": {}, "lion": {"lr": 1e-3, "weight_decay": 0.1}}
 
 # --moments: (master, moments) against (fp32, fp32), BF16 params
 MOMENT_ROWS = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("remainder", "bf16"), ("remainder", "int8")]
@@ -96,31 +103,33 @@ def moments_table(args, table) -> list:
 
 
 def optimizers_table(args, table) -> list:
-    """AdamW against Muon + AdamW (``train.py --optimizer``) on the main job: FP16 params with
-    the dynamic loss scale, 1 rank, the same steps, ``--seeds``; reported as measured, with no
-    goal on which wins, and the one goal that Muon trains: every loss finite, no extra skips."""
+    """AdamW against Muon + AdamW and Lion (``train.py --optimizer``, ``OPTIMIZER_FLAGS``) on the
+    main job: FP16 params with the dynamic loss scale, 1 rank, the same steps, ``--seeds``;
+    reported as measured, with no goal on which wins, and the one goal that each trains: every
+    loss finite, no extra skips."""
     jobs, t0 = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        for optimizer in ("adamw", "muon"):
+        for optimizer, flags in OPTIMIZER_FLAGS.items():
             for seed in args.seeds:
                 out = os.path.join(tmp, f"{optimizer}-{seed}")
                 jobs[(optimizer, seed)] = pool.submit(run, "fp16", "fp32", 1, args.steps, out, seed=seed,
-                                                      optimizer=optimizer)
+                                                      optimizer=optimizer, **flags)
         results = {key: job.result() for key, job in jobs.items()}
     stats = {}
-    for optimizer in ("adamw", "muon"):
+    for optimizer in OPTIMIZER_FLAGS:
         runs = [results[(optimizer, s)] for s in args.seeds]
         vals = [r["summary"]["final_val_loss"] for r in runs]
         finite = all(x == x and abs(x) != float("inf") for r in runs for x in r["losses"] if x is not None)
         stats[optimizer] = (sum(vals) / len(vals), vals, sum(r["summary"]["skipped_steps"] for r in runs), finite)
     ref = stats["adamw"][0]
-    rows = [[name, f"{mean:.5f}", f"{100 * (mean - ref) / ref:+.2f}%", ", ".join(f"{v:.4f}" for v in vals), skipped,
-             "yes" if finite else "NO"] for name, (mean, vals, skipped, finite) in stats.items()]
-    goals = [("muon: every loss finite, no more skipped steps than adamw",
-              stats["muon"][3] and stats["muon"][2] <= stats["adamw"][2])]
-    title = (f"AdamW against Muon + AdamW on the main job (nano GPT, FP16 params, 1 rank, eager), {args.steps} steps, "
-             f"seeds {args.seeds}; {time.perf_counter() - t0:.0f} s")
-    header = ["optimizer", "final val loss (mean)", "vs adamw", "per seed", "skipped", "losses finite"]
+    flags = lambda o: " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in OPTIMIZER_FLAGS[o].items()) or "defaults"  # noqa: E731
+    rows = [[name, flags(name), f"{mean:.5f}", f"{100 * (mean - ref) / ref:+.2f}%", ", ".join(f"{v:.4f}" for v in vals),
+             skipped, "yes" if finite else "NO"] for name, (mean, vals, skipped, finite) in stats.items()]
+    goals = [(f"{o}: every loss finite, no more skipped steps than adamw", stats[o][3] and stats[o][2] <= stats["adamw"][2])
+             for o in OPTIMIZER_FLAGS if o != "adamw"]
+    title = (f"AdamW against Muon + AdamW and Lion on the main job (nano GPT, FP16 params, 1 rank, eager), {args.steps} "
+             f"steps, seeds {args.seeds}; {time.perf_counter() - t0:.0f} s")
+    header = ["optimizer", "flags", "final val loss (mean)", "vs adamw", "per seed", "skipped", "losses finite"]
     summaries = {"/".join(map(str, k)): v["summary"] for k, v in results.items()}
     return report(title, table(rows, header), goals, args, summaries)
 
