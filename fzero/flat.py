@@ -83,9 +83,14 @@ def _collect(tree: Any, out: list) -> bool:
 def _same_own_structure(tree: Any, *rest: Any) -> bool:
     """Whether ``tree`` holds only tensors, ``None`` and fzero's own nodes, and each of ``rest``
     has its structure (else optree walks them, and names any mismatch)."""
-    if isinstance(tree, torch.Tensor) or tree is None:
+    if isinstance(tree, torch.Tensor):
         for r in rest:
-            if type(r) is not type(tree) and not (isinstance(tree, torch.Tensor) and isinstance(r, torch.Tensor)):
+            if not isinstance(r, torch.Tensor):
+                return False
+        return True
+    if tree is None:
+        for r in rest:
+            if r is not None:
                 return False
         return True
     if not _own_node(tree):
