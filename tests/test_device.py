@@ -34,7 +34,7 @@ from helpers import (assert_compiled_state_close, ckpt_engine, ckpt_params, ckpt
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False): the tier's CUDA half runs on a GPU, `make test-gpu`"
 
 
-def test_devices() -> list:
+def devices_under_test() -> list:
     """The devices this run's tier covers (the module docstring)."""
     chosen = os.environ.get("FZERO_TEST_DEVICES")
     if chosen is None:
@@ -48,11 +48,10 @@ def test_devices() -> list:
     return names
 
 
-test_devices.__test__ = False  # a helper, not a test
 pytestmark = pytest.mark.device
 
 
-@pytest.fixture(params=test_devices())
+@pytest.fixture(params=devices_under_test())
 def dev(request) -> torch.device:
     return torch.device(request.param)
 
