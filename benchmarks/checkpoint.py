@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import statistics
@@ -51,7 +50,7 @@ import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.checkpoint import background, manifest, shard_file, staging  # noqa: E402
 from fzero.models import gpt  # noqa: E402
-from common import GPT_CONFIGS, hardware, rows_of_ranks, sync, table  # noqa: E402
+from common import GPT_CONFIGS, hardware, rows_of_ranks, sync, table, write_json  # noqa: E402
 from recipe import make_train_step  # noqa: E402
 
 
@@ -294,8 +293,7 @@ def main(argv=None):
         rows = run(args, dev, world, rank)
         if rank == 0:
             rows = [{**r, "hardware": hardware(dev)} for r in rows]
-            with open(args.child_out, "w") as f:
-                json.dump(rows, f)
+            write_json(args.child_out, rows)
         fzero.shutdown()
         return
     rows = []
@@ -317,8 +315,7 @@ def main(argv=None):
               f"thread {r['thread_step_ratio']:.3f} (write {r['thread_write_s']:.2f} s), "
               f"process {r['process_step_ratio']:.3f} (write {r['process_write_s']:.2f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -42,13 +42,12 @@ holds after one step, as ``benchmarks/memory.py`` does for N.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import table  # noqa: E402
+from common import table, write_json  # noqa: E402
 
 GB = 2**30
 
@@ -173,8 +172,7 @@ def main(argv=None):
           "params FP16\n")
     print(table(rows, ["P", "scheme", "mesh", "comm ms/step", "GiB/rank (formula)", "GiB/rank (held)", "time formula"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": results}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": results})
     return results
 
 

@@ -119,6 +119,13 @@ def cpu_model() -> str:
     return names[0] if names and names[0] else platform.processor() or platform.machine()
 
 
+def write_json(path: str, data) -> None:
+    """``data`` as JSON in the file ``path`` (one space per level), closed before it returns: a
+    script's ``--json`` output, or a child process's results for its parent."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def table(rows: list[list], header: list[str]) -> str:
     cells = [[str(c) for c in r] for r in [header] + rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -49,7 +48,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))  # the main job's modules: recipe.py
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import GPT_CONFIGS, fresh_mib, hardware, profile_table, rows_of_ranks, sample_times, table  # noqa: E402
+from common import GPT_CONFIGS, fresh_mib, hardware, profile_table, rows_of_ranks, sample_times, table, write_json  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from recipe import make_train_step, overlapped_train_step  # noqa: E402
 
@@ -329,8 +328,7 @@ def main(argv=None):
         world, rank = (dist.get_world_size(), dist.get_rank()) if ranked else (1, 0)
         rows = [measure(args, d, world, rank, dev) for d in args.dtype]
         if rank == 0:
-            with open(args.child_out, "w") as f:
-                json.dump(rows, f)
+            write_json(args.child_out, rows)
         if ranked:
             fzero.shutdown()
         return rows
@@ -353,8 +351,7 @@ def main(argv=None):
                 + [x for v in args.variants for x in (f"fzero {v} tok/s", f"{v} / torch (paired)")]
                 + [f"{name} fresh MiB/step" for name in recipes]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "device": hardware(dev), "rows": rows}, f, indent=1)
+        write_json(args.json, {"config": args.config, "device": hardware(dev), "rows": rows})
     print(f"\nfzero/torch tokens/s: {rows[0]['ratio']:.3f}")
     return rows
 

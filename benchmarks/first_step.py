@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from common import cpu_model, table  # noqa: E402
+from common import cpu_model, table, write_json  # noqa: E402
 
 
 def run(cmd: list[str], cache: str) -> float:
@@ -89,7 +89,7 @@ def child(args) -> None:
         times.append(time.perf_counter() - t0)
         if args.form == "flat":
             params = fzero.unflatten(params, engine.layout)
-    json.dump({"first_s": times[0], "second_s": times[1]}, open(args.child_out, "w"))
+    write_json(args.child_out, {"first_s": times[0], "second_s": times[1]})
 
 
 def median(rows: list[dict], key: str) -> float:
@@ -135,8 +135,7 @@ def main(argv=None):
     print(table(rows, ["case", "first step, cold s", "first step, warm s", "a later step s", "process, cold s",
                        "process, warm s", "load (1 min)"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": results}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": results})
     return results
 
 

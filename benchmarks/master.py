@@ -21,7 +21,6 @@ write 2) plus what rebuilding needs from the BF16 params, which the step reads a
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import hardware, median_time, paired_ratio, sync, table  # noqa: E402
+from common import hardware, median_time, paired_ratio, sync, table, write_json  # noqa: E402
 from traffic import Traffic, parse_sizes  # noqa: E402
 
 MASTERS = ("fp32", "remainder")
@@ -111,9 +110,8 @@ def main(argv=None):
     for mode, r in paired.items():
         print(f"\n{mode}: remainder / FP32 master = {r:.3f} (paired: median of {rounds} alternating rounds of 5 steps)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"numel": P, "device": hardware(dev), "iters": iters, "rounds": rounds, "rows": rows,
-                       "paired_remainder_over_fp32": paired}, f, indent=1)
+        write_json(args.json, {"numel": P, "device": hardware(dev), "iters": iters, "rounds": rounds, "rows": rows,
+                               "paired_remainder_over_fp32": paired})
     return rows, paired
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 
@@ -47,7 +46,7 @@ from fzero import transforms  # noqa: E402
 from fzero.checkpoint import manifest, staging  # noqa: E402
 from fzero.checkpoint.form import saved_form  # noqa: E402
 from fzero.transforms.tree import leaf_paths  # noqa: E402
-from common import hardware, median_time, table  # noqa: E402
+from common import hardware, median_time, table, write_json  # noqa: E402
 
 GB = 2**30
 
@@ -273,8 +272,7 @@ def main(argv=None):
         print(table(off_rows, ["P", "N", "on device", "offload", "drop", "12P/N", "step ms on device",
                                "step ms offload"]))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+        write_json(args.json, results)
     return results
 
 

@@ -22,7 +22,6 @@ at least this work on top of Adam's arithmetic.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -33,7 +32,7 @@ import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.transforms import quantize  # noqa: E402
 from fzero.update import COMPILE_NUMEL  # noqa: E402
-from common import hardware, median_time, paired_ratio, table  # noqa: E402
+from common import hardware, median_time, paired_ratio, table, write_json  # noqa: E402
 from traffic import measure, parse_sizes  # noqa: E402
 
 MOMENTS = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -106,9 +105,8 @@ def main(argv=None):
           f"median of {rounds} alternating rounds of 5 steps (goal for int8: <= {GOAL}x, eager and compiled)\n")
     print(table(rows, ["step", "moments", "state B/elem", "B/elem touched (eager)", "ms", "x FP32 moments (paired)"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"numel": P, "device": hardware(dev), "iters": iters, "rounds": rounds, "rows": results,
-                       "goal_x_fp32": GOAL}, f, indent=1)
+        write_json(args.json, {"numel": P, "device": hardware(dev), "iters": iters, "rounds": rounds, "rows": results,
+                               "goal_x_fp32": GOAL})
     return results
 
 

@@ -27,7 +27,6 @@ spend if every rank repeated the iteration, as Moonlight's ZeRO-1 does).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -45,7 +44,7 @@ from fzero.comm.collectives import FUNCTIONAL  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from fzero.whole_leaves import assign  # noqa: E402
 from fzero.transforms.muon import newton_schulz  # noqa: E402
-from common import GPT_CONFIGS, hardware, profile_table, rows_of_ranks, sample_times, sync, table  # noqa: E402
+from common import GPT_CONFIGS, hardware, profile_table, rows_of_ranks, sample_times, sync, table, write_json  # noqa: E402
 
 CONFIGS = {k: GPT_CONFIGS[k] for k in ("nano", "small", "gpt2")}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -182,8 +181,7 @@ def main(argv=None):
         dist.init_process_group("nccl" if cuda else "gloo")
         rows = measure(args, dist.get_world_size(), dist.get_rank(), dev)
         if dist.get_rank() == 0:
-            with open(args.child_out, "w") as f:
-                json.dump(rows, f)
+            write_json(args.child_out, rows)
         fzero.shutdown()
         return rows
     dev = torch.device(args.device)
@@ -200,8 +198,7 @@ def main(argv=None):
                 ["ranks", "step", "adamw ms", "muon ms", "muon / adamw (paired)", "adamw wire MB/step",
                  "muon wire MB/step", "Newton-Schulz ms, rank 0's matrices", "Newton-Schulz ms, all matrices"]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": hardware(dev), "rows": rows}, f, indent=1)
+        write_json(args.json, {"device": hardware(dev), "rows": rows})
     return rows
 
 

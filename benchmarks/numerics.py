@@ -142,8 +142,9 @@ def report(title: str, rows_table: str, goals: list, args, results) -> list:
     for what, ok in goals:
         print(f"{'met' if ok else 'NOT MET'}: {what}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "results": results, "goals": goals}, f, indent=1)
+        from common import write_json  # on sys.path since main (as table)
+
+        write_json(args.json, {"steps": args.steps, "results": results, "goals": goals})
     return goals
 
 

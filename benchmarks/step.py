@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -54,7 +53,7 @@ from fzero import transforms  # noqa: E402
 from fzero.transforms import scalar  # noqa: E402
 from fzero.models import gpt  # noqa: E402
 from common import (GPT_CONFIGS, classic_step, fresh_mib, fresh_pages, hardware, leaf_by_leaf,  # noqa: E402
-                    median_time, paired_ratio, profile_table, table)
+                    median_time, paired_ratio, profile_table, table, write_json)
 
 
 def gpt_leaf_sizes(config) -> list[int]:
@@ -292,9 +291,8 @@ def main(argv=None):
     for label, prof in profiles.items():
         print(f"\n{label}: ops by self CPU time over one step\n{prof}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"numel": N, "dtype": args.dtype, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},
-                       "paired_over_fused": paired, "first_call_s": first_s, "fresh_mib": fresh}, f, indent=1)
+        write_json(args.json, {"numel": N, "dtype": args.dtype, "device": hardware(dev), "copy_GBps": bw / 1e9, "ms": {k: v * 1e3 for k, v in ms.items()},
+                               "paired_over_fused": paired, "first_call_s": first_s, "fresh_mib": fresh})
     return ms
 
 

@@ -25,7 +25,6 @@ ratio from alternating paired rounds with torch's fused AdamW (``--rounds``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -37,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
-from common import classic_step, hardware, median_time, paired_ratio, sync, table  # noqa: E402
+from common import classic_step, hardware, median_time, paired_ratio, sync, table, write_json  # noqa: E402
 
 BIG = 1024  # tensors of fewer elements (0-d scalars, small biases) count nothing
 REF_D, REF_H = 1024, 512
@@ -187,10 +186,9 @@ def main(argv=None):
     print(f"\neager fzero step (pytree grads): {goal['B_per_elem']:.1f} B/elem, {ratio}x fused AdamW, paired: median "
           f"of {rounds} alternating rounds of 5 steps (goals: <= {GOAL_BYTES} B/elem and <= {GOAL_RATIO:g}x)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"numel": P, "leaves": [list(s) for s in shapes], "device": hardware(dev), "iters": iters,
-                       "rows": results, "goal_row": PYTREE_ROW, "paired_x_fused": paired,
-                       "goals": {"B_per_elem": GOAL_BYTES, "x_fused": GOAL_RATIO}}, f, indent=1)
+        write_json(args.json, {"numel": P, "leaves": [list(s) for s in shapes], "device": hardware(dev), "iters": iters,
+                               "rows": results, "goal_row": PYTREE_ROW, "paired_x_fused": paired,
+                               "goals": {"B_per_elem": GOAL_BYTES, "x_fused": GOAL_RATIO}})
     return results
 
 
