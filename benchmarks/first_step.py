@@ -59,7 +59,8 @@ def engine(cache: str, numel: int, leaves: int, form: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         wall = run([sys.executable, __file__, "--child", "--numel", str(numel), "--leaves", str(leaves), "--form", form,
                     "--child-out", f.name], cache)
-        return {**json.load(open(f.name)), "process_s": wall}
+        with open(f.name) as result:
+            return {**json.load(result), "process_s": wall}
 
 
 def child(args) -> None:
@@ -125,9 +126,9 @@ def main(argv=None):
                 cold.append(measure(cache))
                 warm.append(measure(cache))
         later = "later_s" if "later_s" in cold[0] else "second_s"
-        process = [f"{median(r, 'process_s'):.1f}" if "process_s" in r[0] else "-" for r in (cold, warm)]
         rows.append([name, f"{median(cold, 'first_s'):.2f}", f"{median(warm, 'first_s'):.2f}",
-                     f"{median(warm, later):.3f}", *process, f"{statistics.median(loads):.2f}"])
+                     f"{median(warm, later):.3f}", f"{median(cold, 'process_s'):.1f}", f"{median(warm, 'process_s'):.1f}",
+                     f"{statistics.median(loads):.2f}"])
         results.append({"case": name, "cold": cold, "warm": warm, "load": loads})
     import torch
     print(f"\ntime to the first step, median of {args.runs} runs (fresh processes), {cpu_model()} x{os.cpu_count()}, "
