@@ -690,9 +690,9 @@ def nano_gpt_params():
     return gpt.init(torch.Generator().manual_seed(0), config)
 
 
-def decayed_args(train_py):
+def decayed_args(train_py, *more):
     # the peak lr from the first step (no warmup), so that one step shows the decay
-    return train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10"])
+    return train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10", *more])
 
 
 def assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, *, lr, weight_decay):
@@ -735,9 +735,7 @@ def test_muon_optimizer_trains_the_blocks_matrices_with_muon_and_the_rest_with_a
     decayed matrices (the embeddings) do; 1-D params stay. Muon's state holds the blocks'
     matrices only, AdamW's the rest."""
     train_py = load_train_module()
-    args = train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10",
-                                "--optimizer", "muon"])
-    engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.float32)
+    engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py, "--optimizer", "muon")), param_dtype=torch.float32)
     p, state, scaler_state = engine.init(nano_gpt_params())
     labels = optree.tree_leaves(gpt.muon_labels(p))
     assert labels.count("muon") == 4 and {x.ndim for x, l in zip(optree.tree_leaves(p), labels) if l == "muon"} == {2}
@@ -754,8 +752,7 @@ def test_lion_optimizer_trains_every_param_with_lion_and_the_usual_decay_mask(mo
     of a zero interpolation is zero, so the matrices move by the decay alone and the 1-D params
     stay; its state is one momentum over every param, stored as --moments says."""
     train_py = load_train_module()
-    args = train_py.parse_args(["--lr", "0.1", "--weight-decay", "0.5", "--warmup", "0", "--steps", "10",
-                                "--optimizer", "lion", "--moments", moments])
+    args = decayed_args(train_py, "--optimizer", "lion", "--moments", moments)
     engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.float32)
     p, state, scaler_state = engine.init(nano_gpt_params())
     lion_state = state.tx_state[1][0]  # chain(clip, lion = chain(scale_by_lion, decay, lr))
