@@ -155,7 +155,8 @@ def main(argv=None):
     ap.add_argument("--moments", action="store_true",
                     help="instead: the moment-dtype table (BF16 params; FP32, BF16, int8 moments; FP32 master or remainder)")
     ap.add_argument("--optimizers", action="store_true",
-                    help="instead: AdamW against Muon + AdamW (train.py --optimizer), FP16 params, 1 rank, --seeds")
+                    help="instead: AdamW against Muon + AdamW and Lion (train.py --optimizer), FP16 params, 1 rank, "
+                         "--seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="--moments, --optimizers: seeds (%(default)s)")
     ap.add_argument("--lrs", type=float, nargs="+", default=[3e-3], help="--moments: peak learning rates (%(default)s)")
     ap.add_argument("--json", help="also write the results here")
