@@ -110,7 +110,9 @@ def _mapped(fn, tree: Any, *rest: Any) -> Any:
     if tree is None:
         return None
     children = [_mapped(fn, *c) for c in zip(tree, *rest)]
-    return type(tree)(*children) if hasattr(type(tree), "_fields") else type(tree)(children)
+    # ``tuple.__new__`` builds a NamedTuple as its ``_make`` does: traced, a few instructions
+    # where calling the class is some forty
+    return type(tree)(children) if type(tree) is list else tuple.__new__(type(tree), children)
 
 
 def flatten_buckets(tree: Any, layout: Layout, *, dtype: torch.dtype | None = None,
@@ -225,8 +227,53 @@ def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_int
         raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, layout needs ({layout.padded_numel},)")
     if grads_into is not None:
         _check_grads_into(grads_into, flat)
-    spec = layout.treespec if like is None else optree.tree_structure(like)
-    return optree.tree_unflatten(spec, leaf_views(flat, layout, grads_into))
+    leaves = leaf_views(flat, layout, grads_into)
+    if like is None:
+        return optree.tree_unflatten(layout.treespec, leaves)
+    return tree_like(like, leaves)
+
+
+def tree_like(like: Any, leaves: list) -> Any:
+    """``optree.tree_unflatten(optree.tree_structure(like), leaves)``. Traced, a ``like`` of
+    plain dicts with ``str`` keys, lists, tuples, ``None`` and tensors (a params pytree) is
+    rebuilt here: dynamo interprets optree's structure and unflatten bytecode by bytecode (a
+    dataclass per node), most of what it traced of the main job's loss (docs/startup.md)."""
+    if compiling():
+        built, used = _rebuilt(like, leaves, 0)
+        if used == len(leaves):
+            return built
+    return optree.tree_unflatten(optree.tree_structure(like), leaves)
+
+
+def _rebuilt(like: Any, leaves: list, i: int) -> tuple[Any, int]:
+    """``(like rebuilt from leaves[i:], the index after its last leaf)``, in optree's order
+    (a dict's leaves by sorted key, the dict itself in ``like``'s key order); index ``-1``
+    for a node this walk does not know (optree then rebuilds ``like``)."""
+    if isinstance(like, torch.Tensor):
+        return (leaves[i], i + 1) if i < len(leaves) else (None, -1)
+    if like is None:
+        return None, i
+    t = type(like)
+    if t is dict:
+        keys = list(like)
+        for k in keys:
+            if type(k) is not str:
+                return None, -1
+        built = {}
+        for k in sorted(keys):
+            built[k], i = _rebuilt(like[k], leaves, i)
+            if i < 0:
+                return None, -1
+        return {k: built[k] for k in keys}, i
+    if t is list or t is tuple:
+        children = []
+        for child in like:
+            c, i = _rebuilt(child, leaves, i)
+            if i < 0:
+                return None, -1
+            children.append(c)
+        return (children if t is list else tuple(children)), i
+    return None, -1
 
 
 def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ as a pytree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -47,7 +48,8 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Static description of the flat buffer; no tensors, hashable, identical on every rank."""
+    """Static description of the flat buffer; no tensors, hashable, identical on every rank.
+    Its derived sizes are cached properties, each computed once (``make_layout`` computes them)."""
 
     treespec: optree.PyTreeSpec
     paths: tuple[str, ...]
@@ -57,22 +59,22 @@ class Layout:
     world_size: int
     alignment: int
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """P: parameter elements, padding excluded."""
         return sum(math.prod(s) for s in self.shapes)
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         """Elements of the flat buffer, padding included (= world_size * shard_numel)."""
         return self.world_size * self.shard_numel
 
-    @property
+    @functools.cached_property
     def shard_numel(self) -> int:
         """S: elements each rank owns."""
         return sum(b.shard for b in self.buckets)
 
-    @property
+    @functools.cached_property
     def split_sizes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(sizes, where)``: the flat buffer cut, in buffer order, into the leaves and each
         bucket's padding (``sizes``, summing to ``padded_numel``); leaf ``i`` is piece
@@ -90,7 +92,7 @@ class Layout:
         """``[(start, stop), ...]`` flat ranges rank owns, one per bucket, in shard order."""
         return [(b.start + rank * b.shard, b.start + (rank + 1) * b.shard) for b in self.buckets]
 
-    @property
+    @functools.cached_property
     def global_offsets(self) -> tuple[int, ...]:
         """Where each leaf starts in the *global* ``[P]`` vector: the leaves concatenated in
         tree order, without padding (coordinates that do not depend on the world size, the
@@ -175,4 +177,7 @@ def make_layout(
         shard = max(1, math.ceil(numel / (world_size * alignment))) * alignment
         buckets.append(Bucket(tuple(group), start, numel, shard))
         start += world_size * shard
-    return Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
+    layout = Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
+    for name in ("numel", "shard_numel", "padded_numel", "split_sizes", "global_offsets"):
+        getattr(layout, name)  # computed once, here: where torch.compile traces, read as constants
+    return layout

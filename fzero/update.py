@@ -107,7 +107,15 @@ def _keep_if(skip: torch.Tensor, old: torch.Tensor, new: torch.Tensor, traced: b
     selected as FP32 values and cast back, the same bits (every int8 and uint8 value is an FP32
     one): inductor's CPU code blends 1-byte lanes under a bool mask converted lane by lane, many
     times the cost of the select in FP32, which also fuses into the loop that computes the codes
-    (``benchmarks/moments.py``; the figures in docs/performance.md)."""
+    (``benchmarks/moments.py``; the figures in docs/performance.md).
+
+    A leaf the update returned as it was (a hyperparameter) is ``old`` itself: nothing to
+    select, and nothing for a donated step to write back (``write_into``). Compiled, a copy
+    into a 0-d float64 CPU input made the graph differ from the one torch traces again after
+    its scalar pass restarts the trace, so the first graph's cache entry was never written and
+    every warm process traced the step twice (docs/startup.md)."""
+    if new is old:
+        return old
     if traced and old.element_size() == 1:
         return torch.where(skip, old.float(), new.float()).to(old.dtype)
     return torch.where(skip, old, new)

@@ -214,3 +214,24 @@ def test_compiled_step_takes_reduced_shards_after_another_layout():
         compiled = torch.compile(engine.step, fullgraph=True)(params, grads, state, ss)
         eager = engine.step(params, grads, state, ss)
         torch.testing.assert_close(compiled[1].master, eager[1].master, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_warm_process_traces_the_donated_step_once(tmp_path, monkeypatch):
+    """The step compiled twice over one inductor cache, dynamo reset between (a second process):
+    the second compile finds the first trace's graph in the cache and traces once. torch
+    restarts the trace of a graph with 0-d float64 CPU inputs (the hyperparameters) on a cache
+    miss; had the first trace's graph differed from the restarted one (the donated step copying
+    the hyperparameters into themselves), its entry would never be written and every process
+    would trace the step twice (docs/startup.md)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    p0 = odd_params()
+    restarts = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch._dynamo.utils.clear_compilation_metrics()
+        engine = fzero.zero1(tx(), param_dtype=torch.float16, donate=True)
+        params, state, ss = engine.init(p0)
+        torch.compile(engine.step, fullgraph=True)(params, optree.tree_map(torch.Tensor.half, grads_like(p0, 0)), state, ss)
+        restarts.append([sorted(m.restart_reasons or ()) for m in torch._dynamo.utils.get_compilation_metrics()])
+    assert restarts[1] == [[]], restarts

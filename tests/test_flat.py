@@ -224,3 +224,25 @@ def test_traced_walks_of_fzeros_own_nodes_equal_optrees_and_leave_others_to_it()
     assert type(compiled(state)[1].tx_state[1][0].mu) is transforms.quantize.Quantized
     with pytest.raises(Exception, match="(?i)structure|arity|length|mismatch"):
         torch.compile(lambda a, b: flat.tree_map(torch.add, a, b))((torch.ones(1),), (torch.ones(1), torch.ones(1)))
+
+
+def test_traced_unflatten_like_a_params_tree_rebuilds_optrees_tree():
+    """``unflatten(like=)`` traced rebuilds a params tree of plain dicts, lists, tuples and
+    ``None`` itself (``fzero.flat.tree_like``): the same tree as optree's -- a dict's leaves
+    taken by sorted key, the dict in ``like``'s key order -- and the same views; a tree it does
+    not know (a foreign NamedTuple, a dict with int keys) is optree's to rebuild, the same."""
+    trees = [odd_tree(), {"b": (torch.ones(2), None, [torch.zeros(3)]), "a": torch.ones(4)},
+             [Foreign(torch.ones(1), torch.zeros(2))], {2: torch.ones(1), 1: torch.zeros(2)}]
+    for tree in trees:
+        layout = make_layout(tree, world_size=1)
+        buf = flatten(tree, layout)
+        got = torch.compile(lambda f, like: unflatten(f, layout, like=like), fullgraph=True)(buf, tree)
+        want = unflatten(buf, layout)
+        assert optree.tree_structure(got) == optree.tree_structure(want) == optree.tree_structure(tree)
+        if isinstance(tree, dict):
+            assert list(got) == list(tree)  # the key order kept
+        leaves = optree.tree_leaves(want)
+        assert flat._rebuilt(tree, leaves, 0)[1] == (len(leaves) if tree is not trees[2] and tree is not trees[3] else -1)
+        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)))
+    with pytest.raises(ValueError, match="(?i)leaves|structure|expected"):
+        flat.tree_like({"a": torch.ones(1), "b": torch.ones(1)}, [torch.ones(1)])

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from fzero.transforms import FusedStep
 
 from ..cast import IntoLeaves, NewTensor
+from ..flat import tree_leaves, tree_map
 from ..grad_forms import Segments
 from ..norm import NORM_BLOCK, NORM_ROW, sum_of_squares
 from ..update import ShardGrads
@@ -40,14 +40,14 @@ def native_update(tx, fused: FusedStep, grads: ShardGrads, master, tx_state, ski
     master is. Pure (eager): the same on copies of master and moments, the params into a new
     buffer (a skipped step: the master's cast). The same bits as ``generic_whole`` compiled."""
     # ``fused.state`` is the new state, its moments the tensors the kernel writes: one traversal
-    # of it (traced, each optree call is some 2,500 instructions dynamo interprets).
+    # of it (traced, fzero's walk: docs/startup.md).
     new_state = fused.state
-    sized = [x for x in optree.tree_leaves(new_state) if x.ndim]
+    sized = [x for x in tree_leaves(new_state) if x.ndim]
     if not donate:
         master, sized = master.clone(), [x.clone() for x in sized]
         out = torch.empty(master.shape, dtype=param_dtype, device=master.device)
         copies = iter(sized)
-        new_state = optree.tree_map(lambda x: next(copies) if x.ndim else x, new_state)
+        new_state = tree_map(lambda x: next(copies) if x.ndim else x, new_state)
     g = grads.segments()
     torch.ops.fzero.adamw_update_(list(g.parts), list(g.starts), native.pack(fused.adamw()), grads.mean_factor, skip, master, *sized,
                                   out if cast or not donate else None, not donate)
@@ -61,7 +61,7 @@ def native_fused(tx, tx_state, parts, numel: int, skip, norm, param_dtype) -> Fu
     FP16, BF16 or FP32 params."""
     if tx.fused is None or param_dtype not in _NATIVE_DTYPES or not _reads(parts):
         return None
-    sized = [x for x in optree.tree_leaves(tx_state) if x.ndim]
+    sized = [x for x in tree_leaves(tx_state) if x.ndim]
     if len(sized) != 2 or any(x.dtype != torch.float32 or x.shape != (numel,) for x in sized):
         return None
     one = torch.ones((), dtype=torch.float32, device=sized[0].device)
