@@ -14,7 +14,9 @@ import subprocess
 import unittest.mock
 from pathlib import Path
 
+import numpy as np
 import optree
+import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch._inductor.utils
@@ -148,6 +150,102 @@ def mean_grads(grads_of_rank, world_size):
     then FP32: what one process is fed to stand for the ranks' reduce-scatter."""
     return optree.tree_map(lambda *gs: torch.stack(gs).double().mean(0).float(),
                            *[grads_of_rank(r) for r in range(world_size)])
+
+
+# A transform through fzero's engine against one process fed the mean grads: the checks every
+# transform's test module runs (``make_tx`` a module-level factory, so that ranks can import it).
+SHARDED_STEPS = 6
+
+
+def sharded_rank_run(rank, world_size, make_tx, path=None):
+    """SHARDED_STEPS steps of ``make_tx()`` through the engine on ``odd_params`` in FP32, 16-element
+    buckets (shards cut leaves), rank ``r``'s grads ``grads_like(p0, 10 * step + r)``: on a 2x2
+    mesh (``replicate``, ``shard``) when ``world_size`` is 4 and ``path`` is given, where a
+    checkpoint is saved after step 3. Returns ``{"params": ...}``."""
+    mesh = None
+    if path is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    p0 = odd_params()
+    engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, mesh=mesh)
+    params, state, ss = engine.init(p0)
+    for step in range(SHARDED_STEPS):
+        params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
+        if path is not None and step == 2:
+            fzero.checkpoint.save(path, params, state, ss, engine, extra={"step": 3})
+    return {"params": params}
+
+
+def mean_grads_run(make_tx, world_size, start=None, steps=range(SHARDED_STEPS)):
+    """``sharded_rank_run``'s steps in one process fed the ranks' mean grads: the final params
+    (from ``start = (engine, params, state, scaler_state)``, else from ``init``)."""
+    p0 = odd_params()
+    if start is None:
+        engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None)
+        start = (engine, *engine.init(p0))
+    engine, params, state, ss = start
+    for step in steps:
+        params, state, ss, _ = engine.step(params, mean_grads(lambda r: grads_like(p0, 10 * step + r), world_size),
+                                           state, ss)
+    return params
+
+
+def assert_sharded_runs_equal_one_process(make_tx, world_size, tmp_path=None):
+    """``sharded_rank_run`` on ``world_size`` gloo ranks equals ``mean_grads_run`` (rtol 1e-6);
+    with ``tmp_path`` (4 ranks, a 2x2 mesh) so does the mesh's checkpoint loaded by one process
+    and run on from step 3."""
+    from distributed import run_ranks
+    path = None if tmp_path is None else str(tmp_path / "ckpt")
+    got = [r["params"] for r in run_ranks(sharded_rank_run, world_size, make_tx, path)]
+    want = mean_grads_run(make_tx, world_size)
+    if path is not None:
+        engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None)
+        engine.init(odd_params())  # the layout the load needs
+        params, state, ss, extra = fzero.checkpoint.load(path, engine)
+        assert extra == {"step": 3}
+        got.append(mean_grads_run(make_tx, world_size, (engine, params, state, ss), range(3, SHARDED_STEPS)))
+    for params in got:
+        tree_assert_close(params, want, rtol=1e-6, atol=1e-7)
+
+
+def assert_engine_equals_transform_compiled_or_not(make_tx, n=SHARDED_STEPS):
+    """One process: the engine's step, eager and ``torch.compile``d, equals the transform run on
+    the pytree (``run_tx``) over ``n`` grads like ``odd_params`` (rtol 1e-6)."""
+    p0 = odd_params()
+    grads = [grads_like(p0, s) for s in range(n)]
+    want, _ = run_tx(make_tx(), p0, grads)
+    for compiled in (False, True):
+        engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None)
+        params, state, ss = engine.init(p0)
+        step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
+        for g in grads:
+            params, state, ss, _ = step(params, g, state, ss)
+        tree_assert_close(params, want, rtol=1e-6, atol=1e-7)
+
+
+def matrices(p):
+    """A weight-decay mask: the leaves with more than one dimension."""
+    return optree.tree_map(lambda x: x.ndim > 1, p)
+
+
+def optax_run(make_optax, params, grads, lr):
+    """``make_optax(optax, lr)``'s optimizer (optax run live, JAX on the CPU) on ``params`` and
+    ``grads`` (pytrees of FP32 tensors): ``(params, state)`` as numpy, the state as optax keeps
+    it. ``lr``: a float or one of fzero's schedules (given to optax as a function of its count).
+    Skipped without JAX and optax (``pip install -e '.[reference]'``)."""
+    jnp = pytest.importorskip("jax.numpy", reason="optax's reference needs JAX (pip install jax optax)")
+    optax = pytest.importorskip("optax", reason="the reference is optax's (pip install optax)")
+    to_j = lambda t: optree.tree_map(lambda x: jnp.asarray(x.numpy()), t)  # noqa: E731
+    if callable(lr):
+        schedule = lr
+        lr = lambda count: float(schedule(torch.tensor(int(count), dtype=torch.int32)))  # noqa: E731
+    opt = make_optax(optax, lr)
+    p = to_j(params)
+    state = opt.init(p)
+    for g in grads:
+        updates, state = opt.update(to_j(g), state, p)
+        p = optax.apply_updates(p, updates)
+    return optree.tree_map(np.asarray, p), optree.tree_map(np.asarray, state)
 
 
 def torch_adamw(params, grads_list, **kw):

@@ -3,43 +3,20 @@ through the engine at 1, 2 and 4 ranks against one process fed the mean grads, c
 eager, and its arguments' errors."""
 from __future__ import annotations
 
-import numpy as np
 import optree
 import pytest
 import torch
 
-import fzero
 from fzero import transforms
-from distributed import run_ranks
-from helpers import grads_like, mean_grads, odd_params, run_tx
+from helpers import (assert_engine_equals_transform_compiled_or_not, assert_sharded_runs_equal_one_process, grads_like,
+                     matrices, odd_params, optax_run, run_tx)
 
 STEPS = 6
 SCHEDULE = transforms.warmup_cosine_decay(0.0, 3e-3, 2, STEPS)  # lr 0 at the first step: only decay moves
 
 
-def decays(p):
-    return optree.tree_map(lambda x: x.ndim > 1, p)
-
-
 def seq(n=STEPS):
     return [grads_like(odd_params(), s) for s in range(n)]
-
-
-def optax_run(params, grads, *, lr, b1, b2, weight_decay, mask):
-    """``optax.lion`` on the same numbers, as numpy (FP32)."""
-    jnp = pytest.importorskip("jax.numpy", reason="optax's reference needs JAX (pip install jax optax)")
-    optax = pytest.importorskip("optax", reason="the reference is optax.lion (pip install optax)")
-    to_j = lambda t: optree.tree_map(lambda x: jnp.asarray(x.numpy()), t)  # noqa: E731
-    if callable(lr):
-        schedule = lr
-        lr = lambda count: float(schedule(torch.tensor(int(count), dtype=torch.int32)))  # noqa: E731
-    opt = optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=mask)
-    p = to_j(params)
-    state = opt.init(p)
-    for g in grads:
-        updates, state = opt.update(to_j(g), state, p)
-        p = optax.apply_updates(p, updates)
-    return optree.tree_map(np.asarray, p), optree.tree_map(np.asarray, state[0].mu)
 
 
 def float64_lion(params, grads, *, lr, b1, b2, weight_decay, mask):
@@ -64,9 +41,11 @@ def test_lion_is_optax_lion(lr, b1, b2, weight_decay):
     """Params and momentum against optax's, run on the same numbers (skipped without JAX and
     optax: ``pip install -e '.[reference]'``)."""
     params, grads = odd_params(), seq()
-    tx = transforms.lion(lr, betas=(b1, b2), weight_decay=weight_decay, weight_decay_mask=decays)
+    tx = transforms.lion(lr, betas=(b1, b2), weight_decay=weight_decay, weight_decay_mask=matrices)
     got, state = run_tx(tx, params, grads)
-    want, want_mu = optax_run(params, grads, lr=lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decays)
+    want, want_state = optax_run(lambda optax, lr: optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=matrices),
+                                 params, grads, lr)
+    want_mu = want_state[0].mu
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
         torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-7)
     for a, b in zip(optree.tree_leaves(state[0].mu), optree.tree_leaves(want_mu)):
@@ -77,9 +56,9 @@ def test_lion_is_optax_lion(lr, b1, b2, weight_decay):
 @pytest.mark.parametrize("b1, b2, weight_decay", CASES)
 def test_lion_is_the_algorithm_in_float64(lr, b1, b2, weight_decay):
     params, grads = odd_params(), seq()
-    tx = transforms.lion(lr, betas=(b1, b2), weight_decay=weight_decay, weight_decay_mask=decays)
+    tx = transforms.lion(lr, betas=(b1, b2), weight_decay=weight_decay, weight_decay_mask=matrices)
     got, state = run_tx(tx, params, grads)
-    ref, ref_mu = float64_lion(params, grads, lr=lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=decays)
+    ref, ref_mu = float64_lion(params, grads, lr=lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=matrices)
     for a, b in zip(optree.tree_leaves((got, state[0].mu)), optree.tree_leaves((ref, ref_mu))):
         torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-7)
 
@@ -115,47 +94,17 @@ def test_bad_arguments_name_the_argument_and_a_valid_value(make, message):
 
 def lion_tx():
     return transforms.chain(transforms.clip_by_global_norm(1.0),
-                            transforms.lion(SCHEDULE, weight_decay=0.3, weight_decay_mask=decays))
-
-
-def rank_steps(rank, world_size):
-    p0 = odd_params()
-    engine = fzero.zero1(lion_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64)
-    params, state, ss = engine.init(p0)
-    for step in range(STEPS):
-        params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
-    return {"params": params, "numel": engine.layout.numel}
+                            transforms.lion(SCHEDULE, weight_decay=0.3, weight_decay_mask=matrices))
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_through_the_engine_ranks_equal_one_process_on_the_mean_grads(world_size):
-    out = run_ranks(rank_steps, world_size)
-    p0 = odd_params()
-    engine = fzero.zero1(lion_tx(), param_dtype=torch.float32, loss_scale=None)
-    params, state, ss = engine.init(p0)
-    for step in range(STEPS):
-        mean = mean_grads(lambda r: grads_like(p0, 10 * step + r), world_size)
-        params, state, ss, _ = engine.step(params, mean, state, ss)
-    for r in out:
-        for a, b in zip(optree.tree_leaves(r["params"]), optree.tree_leaves(params)):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert_sharded_runs_equal_one_process(lion_tx, world_size)
 
 
 def test_one_rank_engine_equals_the_transform_and_compiled_equals_eager():
-    p0, grads = odd_params(), seq()
-    want, _ = run_tx(lion_tx(), p0, grads)
-    runs = []
-    for compiled in (False, True):
-        engine = fzero.zero1(lion_tx(), param_dtype=torch.float32, loss_scale=None)
-        params, state, ss = engine.init(p0)
-        step = torch.compile(engine.step, fullgraph=True) if compiled else engine.step
-        for g in grads:
-            params, state, ss, _ = step(params, g, state, ss)
-        runs.append(params)
-    for run in runs:
-        for a, b in zip(optree.tree_leaves(run), optree.tree_leaves(want)):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert_engine_equals_transform_compiled_or_not(lion_tx)
 
 
 def partitioned_tx():
@@ -165,39 +114,9 @@ def partitioned_tx():
         {"lion": transforms.lion(SCHEDULE, weight_decay=0.3), "adamw": transforms.adamw(1e-2)}, labels))
 
 
-def mesh_steps(rank, world_size, path):
-    """2x2 mesh, 16-element buckets: STEPS steps, a checkpoint after step 3 at ``path``."""
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    p0 = odd_params()
-    engine = fzero.zero1(partitioned_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, mesh=mesh)
-    params, state, ss = engine.init(p0)
-    for step in range(STEPS):
-        params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
-        if step == 2:
-            fzero.checkpoint.save(path, params, state, ss, engine, extra={"step": 3})
-    return {"params": params}
-
-
 @pytest.mark.multirank
 def test_on_a_mesh_with_partition_and_a_checkpoint_loaded_at_one_rank_it_trains_as_one_process(tmp_path):
     """Lion beside AdamW (``partition``) on a 2x2 mesh equals one process on the mean grads; its
     checkpoint, saved on the mesh after 3 steps and loaded by one process, continues to the same
     params."""
-    path = str(tmp_path / "ckpt")
-    out = run_ranks(mesh_steps, 4, path)
-    p0 = odd_params()
-    engine = fzero.zero1(partitioned_tx(), param_dtype=torch.float32, loss_scale=None)
-
-    def run(params, state, ss, steps):
-        for step in steps:
-            params, state, ss, _ = engine.step(params, mean_grads(lambda r: grads_like(p0, 10 * step + r), 4), state, ss)
-        return params, state, ss
-
-    want, *_ = run(*engine.init(p0), range(STEPS))
-    params, state, ss, extra = fzero.checkpoint.load(path, engine)
-    assert extra == {"step": 3}
-    resumed, *_ = run(params, state, ss, range(3, STEPS))
-    for got in [r["params"] for r in out] + [resumed]:
-        for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert_sharded_runs_equal_one_process(partitioned_tx, 4, tmp_path)

@@ -17,6 +17,7 @@ if __name__ != "fzero.transforms":  # the folder imported by its own name, from 
     one_module(__name__, "fzero.transforms")  # the import then returns fzero.transforms itself
 
 from .adam import ScaleByAdamState, adamw, scale_by_adam
+from .ademamix import ScaleByAdemamixState, ademamix, scale_by_ademamix
 from .protocol import GradientTransformation, apply_updates, identity
 from .combine import MaskedState, chain, masked
 from .context import ShardContext, Split, resolve_per_leaf
@@ -37,11 +38,13 @@ __all__ = [
     "MaskedState",
     "PartitionState",
     "ScaleByAdamState",
+    "ScaleByAdemamixState",
     "ScaleByLionState",
     "ScaleByMuonState",
     "ShardContext",
     "Split",
     "adamw",
+    "ademamix",
     "add_decayed_weights",
     "apply_updates",
     "chain",
@@ -65,6 +68,7 @@ __all__ = [
     "host_value",
     "with_host_value",
     "scale_by_adam",
+    "scale_by_ademamix",
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_muon",

@@ -29,6 +29,8 @@ HYPERPARAM_RULES: dict[str, Rule] = {
     "lr": (_finite_at_least_0, "a finite number >= 0"),
     "b1": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "b2": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "b3": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    "alpha": (_finite_at_least_0, "a finite number >= 0"),
     "eps": (_finite_at_least_0, "a finite number >= 0"),
     "weight_decay": (_finite_at_least_0, "a finite number >= 0"),
     "momentum": (_finite_at_least_0, "a finite number >= 0"),
@@ -94,8 +96,8 @@ def set_hyperparams(state, **values):
     ``ValueError`` saying so; other unknown names raise ``KeyError`` naming the ones
     there are. New values of
     the built-in names are checked like the factories' arguments (``lr``, ``eps``,
-    ``weight_decay``, ``momentum`` finite and >= 0; ``b1``, ``b2`` in [0, 1); ``max_norm`` finite
-    and > 0), Python numbers and tensors alike (a tensor is read on the host: call this between
+    ``weight_decay``, ``momentum``, ``alpha`` finite and >= 0; ``b1``, ``b2``, ``b3`` in [0, 1);
+    ``max_norm`` finite and > 0), Python numbers and tensors alike (a tensor is read on the host: call this between
     steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
     ``state``: a transform's state, or a holder of one (``register_holder``: fzero's engine
     state), returned with the same structure.

@@ -12,11 +12,10 @@ import optree
 import torch
 
 from .protocol import GradientTransformation
-from .combine import chain
 from .context import ShardContext
 from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar, zero_count
-from .scale import add_decayed_weights, scale_by_learning_rate
+from .scale import decoupled
 from .validate import check_number
 
 __all__ = ["ScaleByLionState", "scale_by_lion", "lion"]
@@ -90,11 +89,4 @@ def lion(lr=1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float 
     Invalid values raise ``ValueError`` here."""
     if len(betas) != 2:
         raise ValueError(f"lion: betas must be (b1, b2), got {betas!r}")
-    if not callable(lr):
-        check_number("lion", "lr", lr, HYPERPARAM_RULES["lr"])
-    check_number("lion", "weight_decay", weight_decay, HYPERPARAM_RULES["weight_decay"])
-    return chain(
-        scale_by_lion(betas[0], betas[1], mu_dtype=mu_dtype),
-        add_decayed_weights(weight_decay, mask=weight_decay_mask),
-        scale_by_learning_rate(lr),
-    )
+    return decoupled("lion", scale_by_lion(betas[0], betas[1], mu_dtype=mu_dtype), lr, weight_decay, weight_decay_mask)

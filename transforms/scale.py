@@ -7,7 +7,7 @@ import optree
 import torch
 
 from .protocol import GradientTransformation
-from .combine import masked
+from .combine import chain, masked
 from .context import ShardContext
 from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar, zero_count
@@ -20,6 +20,7 @@ __all__ = [
     "add_decayed_weights",
     "learning_rate",
     "next_learning_rate_state",
+    "decoupled",
 ]
 
 
@@ -110,3 +111,17 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask=None) -> GradientTran
 
     return GradientTransformation(init, update)
 
+
+
+def decoupled(name: str, direction: GradientTransformation, lr, weight_decay: float, mask,
+              *then: GradientTransformation) -> GradientTransformation:
+    """The recipe of optax's aliases for an optimizer ``name`` (``"lion"``, ...):
+    ``chain(direction, add_decayed_weights(weight_decay, mask=mask), *then,
+    scale_by_learning_rate(lr))`` -- decoupled weight decay, scaled by the learning rate as
+    torch.optim's is -- with ``lr`` (a float or a schedule) and ``weight_decay`` checked under
+    ``name``'s own name (``ValueError``). ``then``: what runs on the decayed direction before the
+    learning rate (LAMB's trust ratio)."""
+    if not callable(lr):
+        check_number(name, "lr", lr, HYPERPARAM_RULES["lr"])
+    check_number(name, "weight_decay", weight_decay, HYPERPARAM_RULES["weight_decay"])
+    return chain(direction, add_decayed_weights(weight_decay, mask=mask), *then, scale_by_learning_rate(lr))
