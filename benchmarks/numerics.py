@@ -19,10 +19,13 @@ within 1% of FP32 moments, every loss finite, no extra skipped steps.
     python benchmarks/numerics.py --moments --lrs 3e-3 1e-2   # 30 runs, about 20 minutes
 
 ``--optimizers``: AdamW against Muon + AdamW (``train.py --optimizer muon``: Muon on the blocks'
-matrices) and Lion (``--optimizer lion``, at its own ``--lr`` and ``--weight-decay``:
-``OPTIMIZER_FLAGS``) at equal steps, FP16 params, 1 rank, seeds 1-3, reported as measured.
+matrices), Lion (``--optimizer lion``, at its own ``--lr`` and ``--weight-decay``:
+``OPTIMIZER_FLAGS``), AdEMAMix (``--optimizer ademamix``) and LAMB (``--optimizer lamb``) at equal
+steps, FP16 params, 1 rank, seeds 1-3: final val loss, time per step and state per param against
+AdamW's, as measured.
 
-    python benchmarks/numerics.py --optimizers                 # 9 runs
+    python benchmarks/numerics.py --optimizers                 # 15 runs
+    python benchmarks/numerics.py --optimizers ademamix        # AdamW and AdEMAMix only
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ def run(dtype: str, master: str, ranks: int, steps: int, out: str, *, moments: s
 # --optimizers: each optimizer's flags beside train.py's defaults. Lion's steps are lr per
 # element: a third of AdamW's lr and 10x its decay (the best of lr 3e-4, 6e-4, 1e-3 at weight
 # decay 0.1 on one seed, docs/optimizers.md).
-OPTIMIZER_FLAGS = {"adamw": {}, "muon": {}, "lion": {"lr": 1e-3, "weight_decay": 0.1}}
+OPTIMIZER_FLAGS = {"adamw": {}, "muon": {}, "lion": {"lr": 1e-3, "weight_decay": 0.1}, "ademamix": {}, "lamb": {}}
 
 # --moments: (master, moments) against (fp32, fp32), BF16 params
 MOMENT_ROWS = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("remainder", "bf16"), ("remainder", "int8")]
@@ -103,33 +106,41 @@ def moments_table(args, table) -> list:
 
 
 def optimizers_table(args, table) -> list:
-    """AdamW against Muon + AdamW and Lion (``train.py --optimizer``, ``OPTIMIZER_FLAGS``) on the
-    main job: FP16 params with the dynamic loss scale, 1 rank, the same steps, ``--seeds``;
-    reported as measured, with no goal on which wins, and the one goal that each trains: every
-    loss finite, no extra skips."""
+    """AdamW against the other optimizers of ``train.py --optimizer`` (``OPTIMIZER_FLAGS``; those
+    named by ``--optimizers``) on the main job: FP16 params with the dynamic loss scale, 1 rank,
+    the same steps, ``--seeds``; reported as measured -- final val loss, time per step (from the
+    runs' tokens per second, two runs side by side on the cores) and the optimizer state per
+    param (FP32 master, the transform's state, the decay mask) against AdamW's -- with no goal on
+    which wins, and the one goal that each trains: every loss finite, no extra skips."""
+    names = ["adamw", *[o for o in (args.optimizers or OPTIMIZER_FLAGS) if o != "adamw"]]
     jobs, t0 = {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        for optimizer, flags in OPTIMIZER_FLAGS.items():
+        for optimizer in names:
             for seed in args.seeds:
                 out = os.path.join(tmp, f"{optimizer}-{seed}")
                 jobs[(optimizer, seed)] = pool.submit(run, "fp16", "fp32", 1, args.steps, out, seed=seed,
-                                                      optimizer=optimizer, **flags)
+                                                      optimizer=optimizer, **OPTIMIZER_FLAGS[optimizer])
         results = {key: job.result() for key, job in jobs.items()}
     stats = {}
-    for optimizer in OPTIMIZER_FLAGS:
+    for optimizer in names:
         runs = [results[(optimizer, s)] for s in args.seeds]
         vals = [r["summary"]["final_val_loss"] for r in runs]
         finite = all(x == x and abs(x) != float("inf") for r in runs for x in r["losses"] if x is not None)
-        stats[optimizer] = (sum(vals) / len(vals), vals, sum(r["summary"]["skipped_steps"] for r in runs), finite)
-    ref = stats["adamw"][0]
+        tokens_per_s = sum(r["summary"]["mean_tokens_per_s"] for r in runs) / len(runs)
+        state = runs[0]["summary"]["opt_state_bytes_per_rank"] / runs[0]["summary"]["param_count"]
+        stats[optimizer] = (sum(vals) / len(vals), vals, sum(r["summary"]["skipped_steps"] for r in runs), finite,
+                            tokens_per_s, state)
+    ref, ref_speed = stats["adamw"][0], stats["adamw"][4]
     flags = lambda o: " ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in OPTIMIZER_FLAGS[o].items()) or "defaults"  # noqa: E731
     rows = [[name, flags(name), f"{mean:.5f}", f"{100 * (mean - ref) / ref:+.2f}%", ", ".join(f"{v:.4f}" for v in vals),
-             skipped, "yes" if finite else "NO"] for name, (mean, vals, skipped, finite) in stats.items()]
+             f"{ref_speed / speed:.2f}x", f"{state:.2f}", skipped, "yes" if finite else "NO"]
+            for name, (mean, vals, skipped, finite, speed, state) in stats.items()]
     goals = [(f"{o}: every loss finite, no more skipped steps than adamw", stats[o][3] and stats[o][2] <= stats["adamw"][2])
-             for o in OPTIMIZER_FLAGS if o != "adamw"]
-    title = (f"AdamW against Muon + AdamW and Lion on the main job (nano GPT, FP16 params, 1 rank, eager), {args.steps} "
-             f"steps, seeds {args.seeds}; {time.perf_counter() - t0:.0f} s")
-    header = ["optimizer", "flags", "final val loss (mean)", "vs adamw", "per seed", "skipped", "losses finite"]
+             for o in names if o != "adamw"]
+    title = (f"AdamW against {', '.join(names[1:])} on the main job (nano GPT, FP16 params, 1 rank, eager), "
+             f"{args.steps} steps, seeds {args.seeds}; {time.perf_counter() - t0:.0f} s")
+    header = ["optimizer", "flags", "final val loss (mean)", "vs adamw", "per seed", "time/step vs adamw",
+              "state B/param", "skipped", "losses finite"]
     summaries = {"/".join(map(str, k)): v["summary"] for k, v in results.items()}
     return report(title, table(rows, header), goals, args, summaries)
 
@@ -154,9 +165,9 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--moments", action="store_true",
                     help="instead: the moment-dtype table (BF16 params; FP32, BF16, int8 moments; FP32 master or remainder)")
-    ap.add_argument("--optimizers", action="store_true",
-                    help="instead: AdamW against Muon + AdamW and Lion (train.py --optimizer), FP16 params, 1 rank, "
-                         "--seeds")
+    ap.add_argument("--optimizers", nargs="*", choices=list(OPTIMIZER_FLAGS),
+                    help="instead: AdamW against the optimizers named (none named: every one of train.py "
+                         "--optimizer), FP16 params, 1 rank, --seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="--moments, --optimizers: seeds (%(default)s)")
     ap.add_argument("--lrs", type=float, nargs="+", default=[3e-3], help="--moments: peak learning rates (%(default)s)")
     ap.add_argument("--json", help="also write the results here")
@@ -166,7 +177,7 @@ def main(argv=None):
 
     if args.moments:
         return moments_table(args, table)
-    if args.optimizers:
+    if args.optimizers is not None:
         return optimizers_table(args, table)
 
     results, t0 = {}, time.perf_counter()

@@ -71,7 +71,12 @@ def make_optimizer(args) -> transforms.GradientTransformation:
     matrices instead (``gpt.muon_labels``), with the same schedule and weight decay, its update
     scaled to AdamW's RMS (``adjust_lr_fn="match_rms_adamw"``, Moonshot's: AdamW's learning rate
     carries over), and AdamW on the rest. ``--optimizer lion``: Lion on every param, with the same
-    schedule, weight decay and mask, its momentum stored as ``--moments`` says."""
+    schedule, weight decay and mask, its momentum stored as ``--moments`` says. ``--optimizer
+    ademamix``: AdEMAMix on every param, the same schedule, weight decay and mask, AdamW's betas
+    and a slow momentum of ``b3 = 0.999`` weighed by ``alpha = 5`` (a shorter memory than optax's
+    0.9999, which the paper advises for runs of a few thousand steps). ``--optimizer lamb``: LAMB on
+    every param (AdamW's betas, eps 1e-6), the same schedule, weight decay and mask: each param's
+    step is the learning rate times its norm."""
     lr = lr_schedule(args)
     clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
     moments = MOMENTS[args.moments]
@@ -80,6 +85,12 @@ def make_optimizer(args) -> transforms.GradientTransformation:
     if args.optimizer == "lion":
         return transforms.chain(*clip, transforms.lion(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
                                                        weight_decay_mask=decays, mu_dtype=moments))
+    if args.optimizer == "ademamix":
+        return transforms.chain(*clip, transforms.ademamix(lr=lr, betas=(0.9, 0.99, 0.999), alpha=5.0,
+                                                           weight_decay=args.weight_decay, weight_decay_mask=decays))
+    if args.optimizer == "lamb":
+        return transforms.chain(*clip, transforms.lamb(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
+                                                       weight_decay_mask=decays))
     if args.optimizer == "muon":
         muon = transforms.muon(lr=lr, weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw")
         return transforms.chain(*clip, transforms.partition({"muon": muon, "adamw": adamw}, gpt.muon_labels))

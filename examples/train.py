@@ -130,6 +130,7 @@ def main(argv=None):
         how = f"{args.mesh[0]} replicas x {shards} shards" if args.mesh else f"{shards} shard(s)"
         kept = KEPT_MASTER[args.keep_master]
         moments = {"adamw": f"2 {args.moments} moments", "lion": f"Lion's {args.moments} momentum",
+                   "ademamix": "AdEMAMix's 3 fp32 moments", "lamb": "LAMB's 2 fp32 moments",
                    "muon": f"Muon's momentum on the blocks' matrices, 2 {args.moments} moments on the rest"}[args.optimizer]
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + {moments} + the decay mask, "
               f"1/{shards} each: "

@@ -227,6 +227,32 @@ class ShardView(ShardContext):
                      or [mine[:0]])
         return out.to(x.device)
 
+    # ------------------------------------------------------------------ per-leaf norms
+    def leaf_norms(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """See ``ShardContext.leaf_norms``. Each run's sum of squares on this rank, one
+        all-reduce of the ``[len(xs), leaves]`` sums over the shard group (every rank of it must
+        call it), and each leaf's norm spread over its run (compiled, the spread fuses into
+        whatever reads it)."""
+        g = self.geometry
+        slot = {leaf: j for j, leaf in enumerate(self.leaves)}
+        sums = [xs[0].new_zeros(len(xs), dtype=torch.float32)] * len(self.leaves)
+        for r in self.runs:
+            sums[slot[r.leaf]] = torch.stack([x[r.shard_at:r.shard_at + r.length].float().square().sum() for x in xs])
+        if not sums:
+            return tuple(torch.zeros(self.numel, dtype=torch.float32, device=x.device) for x in xs)
+        total = g.comm.all_reduce_sum(torch.stack(sums, 1).to(g.device), "the per-leaf sums of squares")
+        norms = total.sqrt().to(xs[0].device)
+        pieces, pos = [], 0
+        for r in self.runs:
+            if r.shard_at > pos:
+                pieces.append(norms.new_zeros(len(xs), r.shard_at - pos))
+            j = slot[r.leaf]
+            pieces.append(norms[:, j:j + 1].expand(len(xs), r.length))
+            pos = r.shard_at + r.length
+        if self.numel > pos:
+            pieces.append(norms.new_zeros(len(xs), self.numel - pos))
+        return tuple(torch.cat(pieces, 1).unbind(0)) if pieces else tuple(norms.new_zeros(0) for _ in xs)
+
     def _whole_plan(self) -> WholePlan:
         """``whole``'s plan, worked out once (see ``fzero.whole_leaves.WholePlan``)."""
         if self._plan is None:

@@ -265,8 +265,11 @@ def torch_optimizer(optimizer, params, grads_list, **kw):
 
 
 def tree_assert_close(a, b, **kw):
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **kw)
+    """Leaf by leaf ``torch.testing.assert_close``; ``b``'s leaves may be numpy arrays (a
+    reference's output) or float64 tensors (compared in float64)."""
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True):
+        y = y if isinstance(y, torch.Tensor) else torch.tensor(y)
+        torch.testing.assert_close(x.double() if y.dtype == torch.float64 else x, y, **kw)
 
 
 def assert_compiled_state_close(got, want):
@@ -358,9 +361,9 @@ class RecordingComm(fzero.comm.Comm):
         self._log("all_gather", y)
         return y
 
-    def all_reduce_sum(self, x):
+    def all_reduce_sum(self, x, what="the grad norm and found_inf"):
         self._log("all_reduce", x)
-        return super().all_reduce_sum(x)
+        return super().all_reduce_sum(x, what)
 
     def wait(self, x, what="collective"):
         if isinstance(x, funcol.AsyncCollectiveTensor):

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from fzero import transforms
-from helpers import (assert_engine_equals_transform_compiled_or_not, assert_sharded_runs_equal_one_process, grads_like,
-                     matrices, odd_params, optax_run, run_tx)
+from helpers import grads_like, matrices, odd_params, optax_run, run_tx, tree_assert_close
 
 STEPS = 6
 SCHEDULE = transforms.warmup_cosine_decay(0.0, 3e-3, 2, STEPS)  # lr 0 at the first step: only the state moves
@@ -49,10 +48,8 @@ def test_ademamix_is_optax_contrib_ademamix(lr, betas, alpha, weight_decay):
     want, want_state = optax_run(lambda optax, lr: optax.contrib.ademamix(
         lr, b1=b1, b2=b2, b3=b3, alpha=alpha, weight_decay=weight_decay, mask=matrices), params, grads, lr)
     want_state = (want_state[0].m1, want_state[0].m2, want_state[0].nu)
-    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
-        torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-7)
-    for a, b in zip(optree.tree_leaves((state[0].m1, state[0].m2, state[0].nu)), optree.tree_leaves(want_state)):
-        torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-9)
+    tree_assert_close(got, want, rtol=1e-6, atol=1e-7)
+    tree_assert_close((state[0].m1, state[0].m2, state[0].nu), want_state, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("lr", [1e-3, SCHEDULE], ids=["constant", "schedule"])
@@ -63,9 +60,7 @@ def test_ademamix_is_the_algorithm_in_float64(lr, betas, alpha, weight_decay):
     got, state = run_tx(tx, params, grads)
     ref, ref_state = float64_ademamix(params, grads, lr=lr, betas=betas, alpha=alpha, weight_decay=weight_decay,
                                       mask=matrices)
-    got_all = optree.tree_leaves((got, state[0].m1, state[0].m2, state[0].nu))
-    for a, b in zip(got_all, optree.tree_leaves((ref, *ref_state))):
-        torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-8)
+    tree_assert_close((got, state[0].m1, state[0].m2, state[0].nu), (ref, *ref_state), rtol=1e-6, atol=1e-8)
 
 
 def test_alpha_zero_and_b3_zero_are_adam_and_hyperparams_are_set_between_steps():
@@ -94,34 +89,3 @@ def test_alpha_zero_and_b3_zero_are_adam_and_hyperparams_are_set_between_steps()
 def test_bad_arguments_name_the_argument_and_a_valid_value(make, message):
     with pytest.raises(ValueError, match=message):
         make()
-
-
-def ademamix_tx():
-    return transforms.chain(transforms.clip_by_global_norm(1.0),
-                            transforms.ademamix(SCHEDULE, betas=(0.9, 0.99, 0.95), weight_decay=0.3,
-                                                weight_decay_mask=matrices))
-
-
-def partitioned_tx():
-    """AdEMAMix on the matrices, Lion on the rest, clipped: ``partition`` with AdEMAMix in it."""
-    labels = lambda p: optree.tree_map(lambda x: "ademamix" if x.ndim > 1 else "lion", p)  # noqa: E731
-    return transforms.chain(transforms.clip_by_global_norm(1.0), transforms.partition(
-        {"ademamix": transforms.ademamix(SCHEDULE, weight_decay=0.3), "lion": transforms.lion(1e-3)}, labels))
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_through_the_engine_ranks_equal_one_process_on_the_mean_grads(world_size):
-    assert_sharded_runs_equal_one_process(ademamix_tx, world_size)
-
-
-def test_one_rank_engine_equals_the_transform_and_compiled_equals_eager():
-    assert_engine_equals_transform_compiled_or_not(ademamix_tx)
-
-
-@pytest.mark.multirank
-def test_on_a_mesh_with_partition_and_a_checkpoint_loaded_at_one_rank_it_trains_as_one_process(tmp_path):
-    """AdEMAMix beside Lion (``partition``) on a 2x2 mesh equals one process on the mean grads;
-    its checkpoint, saved on the mesh after 3 steps and loaded by one process, continues to the
-    same params."""
-    assert_sharded_runs_equal_one_process(partitioned_tx, 4, tmp_path)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from fzero import transforms
-from helpers import (assert_engine_equals_transform_compiled_or_not, assert_sharded_runs_equal_one_process, grads_like,
-                     matrices, odd_params, optax_run, run_tx)
+from helpers import grads_like, matrices, odd_params, optax_run, run_tx, tree_assert_close
 
 STEPS = 6
 SCHEDULE = transforms.warmup_cosine_decay(0.0, 3e-3, 2, STEPS)  # lr 0 at the first step: only decay moves
@@ -46,10 +45,8 @@ def test_lion_is_optax_lion(lr, b1, b2, weight_decay):
     want, want_state = optax_run(lambda optax, lr: optax.lion(lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=matrices),
                                  params, grads, lr)
     want_mu = want_state[0].mu
-    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
-        torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-7)
-    for a, b in zip(optree.tree_leaves(state[0].mu), optree.tree_leaves(want_mu)):
-        torch.testing.assert_close(a, torch.tensor(b), rtol=1e-6, atol=1e-8)
+    tree_assert_close(got, want, rtol=1e-6, atol=1e-7)
+    tree_assert_close(state[0].mu, want_mu, rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("lr", [1e-3, SCHEDULE], ids=["constant", "schedule"])
@@ -59,8 +56,7 @@ def test_lion_is_the_algorithm_in_float64(lr, b1, b2, weight_decay):
     tx = transforms.lion(lr, betas=(b1, b2), weight_decay=weight_decay, weight_decay_mask=matrices)
     got, state = run_tx(tx, params, grads)
     ref, ref_mu = float64_lion(params, grads, lr=lr, b1=b1, b2=b2, weight_decay=weight_decay, mask=matrices)
-    for a, b in zip(optree.tree_leaves((got, state[0].mu)), optree.tree_leaves((ref, ref_mu))):
-        torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-7)
+    tree_assert_close((got, state[0].mu), (ref, ref_mu), rtol=1e-6, atol=1e-7)
 
 
 def test_every_step_moves_each_element_by_lr_and_bf16_momentum_rounds_only_the_state():
@@ -90,33 +86,3 @@ def test_every_step_moves_each_element_by_lr_and_bf16_momentum_rounds_only_the_s
 def test_bad_arguments_name_the_argument_and_a_valid_value(make, message):
     with pytest.raises(ValueError, match=message):
         make()
-
-
-def lion_tx():
-    return transforms.chain(transforms.clip_by_global_norm(1.0),
-                            transforms.lion(SCHEDULE, weight_decay=0.3, weight_decay_mask=matrices))
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_through_the_engine_ranks_equal_one_process_on_the_mean_grads(world_size):
-    assert_sharded_runs_equal_one_process(lion_tx, world_size)
-
-
-def test_one_rank_engine_equals_the_transform_and_compiled_equals_eager():
-    assert_engine_equals_transform_compiled_or_not(lion_tx)
-
-
-def partitioned_tx():
-    """Lion on the matrices, AdamW on the rest, clipped: ``partition`` with Lion in it."""
-    labels = lambda p: optree.tree_map(lambda x: "lion" if x.ndim > 1 else "adamw", p)  # noqa: E731
-    return transforms.chain(transforms.clip_by_global_norm(1.0), transforms.partition(
-        {"lion": transforms.lion(SCHEDULE, weight_decay=0.3), "adamw": transforms.adamw(1e-2)}, labels))
-
-
-@pytest.mark.multirank
-def test_on_a_mesh_with_partition_and_a_checkpoint_loaded_at_one_rank_it_trains_as_one_process(tmp_path):
-    """Lion beside AdamW (``partition``) on a 2x2 mesh equals one process on the mean grads; its
-    checkpoint, saved on the mesh after 3 steps and loaded by one process, continues to the same
-    params."""
-    assert_sharded_runs_equal_one_process(partitioned_tx, 4, tmp_path)

@@ -274,6 +274,8 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--optimizer", "muon", "--model", "mlp"], 1, "--optimizer muon trains the GPT's blocks' matrices with Muon: it needs --model gpt"),
     (["--optimizer", "muon", "--moments", "int8"], 1, "--moments int8 keeps AdamW's moments in blocks of 256 elements"),
     (["--optimizer", "lion", "--moments", "int8"], 1, "--optimizer lion keeps one momentum in fp32 or bf16"),
+    (["--optimizer", "ademamix", "--moments", "bf16"], 1, "--optimizer ademamix keeps its moments in fp32"),
+    (["--optimizer", "lamb", "--moments", "int8"], 1, "--optimizer lamb keeps its moments in fp32"),
     # flags that fix the model and its optimizer state, against the checkpoint's (RESUMABLE)
     (["--resume", "{ckpt}", "--dtype", "fp16"], 1,
      "--resume {ckpt}: --dtype fp16 (checkpoint: bf16): these flags fix the model and its optimizer state; "
@@ -759,6 +761,38 @@ def test_lion_optimizer_trains_every_param_with_lion_and_the_usual_decay_mask(mo
     assert isinstance(lion_state, transforms.ScaleByLionState)
     assert lion_state.mu.numel() == state.master.numel() and lion_state.mu.dtype == dtype
     assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, lr=0.1, weight_decay=0.5)
+
+
+def test_ademamix_optimizer_trains_every_param_with_ademamix_and_the_usual_decay_mask():
+    """--optimizer ademamix: one engine step with zero grads at lr 0.1, weight decay 0.5. Its
+    direction from zero moments is zero, so the matrices move by the decay alone and the 1-D
+    params stay; its state is three FP32 moments over every param, betas (0.9, 0.99, 0.999)."""
+    train_py = load_train_module()
+    engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py, "--optimizer", "ademamix")),
+                         param_dtype=torch.float32)
+    p, state, scaler_state = engine.init(nano_gpt_params())
+    ademamix_state = state.tx_state[1][0]  # chain(clip, ademamix = chain(scale_by_ademamix, decay, lr))
+    assert isinstance(ademamix_state, transforms.ScaleByAdemamixState)
+    moments = (ademamix_state.m1, ademamix_state.m2, ademamix_state.nu)
+    assert all(m.numel() == state.master.numel() and m.dtype == torch.float32 for m in moments)
+    hyper = transforms.get_hyperparams(state)
+    assert (hyper["b1"], hyper["b2"], hyper["b3"], hyper["alpha"]) == (0.9, 0.99, 0.999, 5.0)
+    assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, lr=0.1, weight_decay=0.5)
+
+
+def test_lamb_optimizer_scales_each_matrix_step_to_lr_times_its_norm():
+    """--optimizer lamb: one engine step with zero grads at lr 0.1, weight decay 0.5. The step of
+    a decayed matrix is its decay, which the trust ratio rescales to lr times the matrix's norm:
+    each matrix becomes (1 - lr) of itself, whatever the decay; the 1-D params stay."""
+    train_py = load_train_module()
+    engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py, "--optimizer", "lamb")), param_dtype=torch.float32)
+    p, state, scaler_state = engine.init(nano_gpt_params())
+    new, *_ = engine.step(p, optree.tree_map(torch.zeros_like, p), state, scaler_state)
+    for old, x in zip(optree.tree_leaves(p), optree.tree_leaves(new)):
+        if old.ndim >= 2:
+            torch.testing.assert_close(x, old * (1 - 0.1), rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(x, old)
 
 
 # ---------------------------------------------------------------- the compiled, sync-free main job

@@ -23,6 +23,7 @@ from .combine import MaskedState, chain, masked
 from .context import ShardContext, Split, resolve_per_leaf
 from .fused import FusedStep
 from .hyperparams import get_hyperparams, iter_hyperparams, set_hyperparams
+from .lamb import lamb, scale_by_trust_ratio
 from .lion import ScaleByLionState, lion, scale_by_lion
 from .clip import clip_by_global_norm, global_norm
 from .muon import ScaleByMuonState, muon, newton_schulz, scale_by_muon
@@ -57,6 +58,7 @@ __all__ = [
     "hyperparam",
     "identity",
     "linear",
+    "lamb",
     "linear_warmup",
     "lion",
     "masked",
@@ -72,6 +74,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_muon",
+    "scale_by_trust_ratio",
     "set_hyperparams",
     "sgd",
     "trace",

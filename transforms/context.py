@@ -32,7 +32,11 @@ class ShardContext:
       same, in ``dtype`` (default ``x.dtype``), where each leaf's elements are those of
       ``fn(that leaf of x, whole, in its shape)`` (padding: zero). The caller gathers each leaf
       whole however it holds them (fzero: through its communicator); the transform stays
-      blind to ranks."""
+      blind to ranks;
+    * ``leaf_norms(*xs)``: tensors laid out like the tensor -> for each, an FP32 tensor laid out
+      the same where every element holds the L2 norm of its whole leaf of that ``x`` (padding:
+      zero): LAMB's per-leaf norms. The caller sums each leaf's squares over the ranks that
+      hold a part of it (fzero: one all-reduce of ``len(xs)`` values per leaf)."""
 
     def __init__(self, tree: Any, to_shard: Callable[[Any], torch.Tensor]):
         self.tree, self.to_shard = tree, to_shard
@@ -42,6 +46,9 @@ class ShardContext:
 
     def whole(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], *, dtype=None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} cannot gather whole leaves (whole)")
+
+    def leaf_norms(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError(f"{type(self).__name__} cannot reduce over whole leaves (leaf_norms)")
 
 
 class Split(NamedTuple):

@@ -210,12 +210,11 @@ class Comm(Communicator):
         what = lambda: f"all_to_all of leaves made whole ({x.numel()} elements out, {sum(output_sizes)} in)"
         return self.issue(what, self.collectives.all_to_all, x, list(output_sizes), list(input_sizes), self.group)
 
-    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """Elementwise sum over ranks of a small tensor."""
+    def all_reduce_sum(self, x: torch.Tensor, what: str = "the grad norm and found_inf") -> torch.Tensor:
+        """Elementwise sum over ranks of a small tensor (``what``: what it holds, for errors)."""
         if self.world_size == 1:
             return x
-        what = lambda: "all_reduce of the grad norm and found_inf"
-        return self.issue(what, self.collectives.all_reduce, x, "sum", self.group)
+        return self.issue(lambda: f"all_reduce of {what}", self.collectives.all_reduce, x, "sum", self.group)
 
     def broadcast(self, x: torch.Tensor, what: str = "a tensor") -> torch.Tensor:
         """Rank 0's ``x`` on every rank (the group's rank 0; with replicas, see ``HybridComm``):

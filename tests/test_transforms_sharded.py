@@ -1,0 +1,71 @@
+"""The optimizers of docs/optimizers.md through fzero's engine: at 2 and 4 ranks (16-element
+buckets: shards cut leaves) and on a 2x2 mesh beside another optimizer (``partition``), with a
+checkpoint saved on the mesh and loaded by one process, each equals one process fed the ranks'
+mean grads; one process's engine equals the transform on the pytree, compiled and eager.
+(Each transform's own module tests it against its reference.)"""
+from __future__ import annotations
+
+import optree
+import pytest
+
+from fzero import transforms
+from helpers import assert_engine_equals_transform_compiled_or_not, assert_sharded_runs_equal_one_process, matrices
+
+SCHEDULE = transforms.warmup_cosine_decay(0.0, 3e-3, 2, 6)  # lr 0 at the first step: only the state moves
+
+
+def clipped(tx):
+    return transforms.chain(transforms.clip_by_global_norm(1.0), tx)
+
+
+def lion():
+    return clipped(transforms.lion(SCHEDULE, weight_decay=0.3, weight_decay_mask=matrices))
+
+
+def ademamix():
+    return clipped(transforms.ademamix(SCHEDULE, betas=(0.9, 0.99, 0.95), weight_decay=0.3, weight_decay_mask=matrices))
+
+
+def lamb():
+    return clipped(transforms.lamb(SCHEDULE, betas=(0.9, 0.99), weight_decay=0.3, weight_decay_mask=matrices))
+
+
+def split(matrices_tx, rest_tx):
+    """``matrices_tx`` on the matrices, ``rest_tx`` on the other leaves, clipped."""
+    labels = lambda p: optree.tree_map(lambda x: "matrices" if x.ndim > 1 else "rest", p)  # noqa: E731
+    return clipped(transforms.partition({"matrices": matrices_tx, "rest": rest_tx}, labels))
+
+
+def lion_beside_adamw():
+    return split(transforms.lion(SCHEDULE, weight_decay=0.3), transforms.adamw(1e-2))
+
+
+def ademamix_beside_lion():
+    return split(transforms.ademamix(SCHEDULE, weight_decay=0.3), transforms.lion(1e-3))
+
+
+def lamb_beside_ademamix():
+    """LAMB's norms then come from a group's compacted elements."""
+    return split(transforms.lamb(SCHEDULE, weight_decay=0.3), transforms.ademamix(1e-3))
+
+
+TRANSFORMS = [lion, ademamix, lamb]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("make_tx", TRANSFORMS, ids=lambda f: f.__name__)
+def test_through_the_engine_ranks_equal_one_process_on_the_mean_grads(make_tx, world_size):
+    assert_sharded_runs_equal_one_process(make_tx, world_size)
+
+
+@pytest.mark.parametrize("make_tx", TRANSFORMS, ids=lambda f: f.__name__)
+def test_one_rank_engine_equals_the_transform_and_compiled_equals_eager(make_tx):
+    assert_engine_equals_transform_compiled_or_not(make_tx)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("make_tx", [lion_beside_adamw, ademamix_beside_lion, lamb_beside_ademamix],
+                         ids=lambda f: f.__name__)
+def test_on_a_mesh_with_partition_and_a_checkpoint_loaded_at_one_rank_it_trains_as_one_process(make_tx, tmp_path):
+    assert_sharded_runs_equal_one_process(make_tx, 4, tmp_path)
