@@ -53,8 +53,11 @@ def decays(params):
 
 def lr_schedule(args):
     """Warmup from 0 to --lr over --warmup steps, then cosine to --lr/10 at --steps: a function
-    of the count of applied updates (a 0-d tensor)."""
+    of the count of applied updates (a 0-d tensor). ``--optimizer schedule_free``: the warmup,
+    then --lr to the end (its averaging stands for the decay: the method's point)."""
     warmup = min(args.warmup, args.steps - 1)  # the decay needs at least one step
+    if args.optimizer == "schedule_free":
+        return transforms.linear_warmup(0.0, args.lr, warmup) if warmup else transforms.constant(args.lr)
     return transforms.warmup_cosine_decay(0.0, args.lr, warmup, args.steps, end_value=args.lr / 10)
 
 
@@ -76,7 +79,10 @@ def make_optimizer(args) -> transforms.GradientTransformation:
     and a slow momentum of ``b3 = 0.999`` weighed by ``alpha = 5`` (a shorter memory than optax's
     0.9999, which the paper advises for runs of a few thousand steps). ``--optimizer lamb``: LAMB on
     every param (AdamW's betas, eps 1e-6), the same schedule, weight decay and mask: each param's
-    step is the learning rate times its norm."""
+    step is the learning rate times its norm. ``--optimizer schedule_free``: Schedule-Free AdamW
+    (``b1 = 0.9`` its interpolation, AdamW's ``b2``) with the warmup and no decay
+    (``lr_schedule``), the same weight decay and mask; evaluate its averaged params
+    (``eval_params``)."""
     lr = lr_schedule(args)
     clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
     moments = MOMENTS[args.moments]
@@ -88,6 +94,9 @@ def make_optimizer(args) -> transforms.GradientTransformation:
     if args.optimizer == "ademamix":
         return transforms.chain(*clip, transforms.ademamix(lr=lr, betas=(0.9, 0.99, 0.999), alpha=5.0,
                                                            weight_decay=args.weight_decay, weight_decay_mask=decays))
+    if args.optimizer == "schedule_free":
+        return transforms.chain(*clip, transforms.schedule_free_adamw(lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
+                                                                      weight_decay_mask=decays))
     if args.optimizer == "lamb":
         return transforms.chain(*clip, transforms.lamb(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
                                                        weight_decay_mask=decays))
@@ -165,6 +174,15 @@ def overlapped_train_step(engine, loss_fn, optimizer_step):
 
 
 @torch.no_grad()
+def eval_params(engine, args):
+    """``(params, state) -> the params to evaluate``, chosen once: the trained params, or with
+    ``--optimizer schedule_free`` its averaged sequence ``x``, which it is meant to be evaluated
+    and exported at (``engine.params_from``: gathered from every rank, a new buffer)."""
+    if args.optimizer == "schedule_free":
+        return lambda params, state: engine.params_from(params, state, transforms.schedule_free_eval_params)
+    return lambda params, state: params
+
+
 def evaluate(params, loss_fn, batches) -> float:
     """Mean loss over ``batches`` (this rank's rows), averaged over ranks."""
     return mean_over_ranks(torch.stack([loss_fn(params, b) for b in batches]).mean()).item()

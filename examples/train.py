@@ -58,7 +58,8 @@ import fzero
 from fzero import transforms
 from flags import DTYPES, UsageError, check_args, given_flags, parse_args, resume_line, training_flags
 from ranks import exit_usage, gather_to_all, init_distributed, launched, rows_of
-from recipe import build, evaluate, load_data, lr_schedule, make_mesh, make_optimizer, make_train_step, schedule_count
+from recipe import (build, eval_params, evaluate, load_data, lr_schedule, make_mesh, make_optimizer, make_train_step,
+                    schedule_count)
 from reporting import (LogWindow, Progress, compiled_graphs, config_record, make_profiler, open_metrics, plot,
                        print_summary, sha256, summarize, warn_stuck)
 from saving import BackgroundSaves
@@ -131,6 +132,7 @@ def main(argv=None):
         kept = KEPT_MASTER[args.keep_master]
         moments = {"adamw": f"2 {args.moments} moments", "lion": f"Lion's {args.moments} momentum",
                    "ademamix": "AdEMAMix's 3 fp32 moments", "lamb": "LAMB's 2 fp32 moments",
+                   "schedule_free": "Schedule-Free's z and second moment, fp32",
                    "muon": f"Muon's momentum on the blocks' matrices, 2 {args.moments} moments on the rest"}[args.optimizer]
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + {moments} + the decay mask, "
               f"1/{shards} each: "
@@ -156,7 +158,7 @@ def main(argv=None):
     if args.compile:  # the caches a compiled start can use (fzero.compile_cache: docs/startup.md)
         fzero.compile_cache.warm_start()
     train_step = make_train_step(engine, loss_fn, compile=args.compile)
-    lr_fn = lr_schedule(args)
+    lr_fn, to_evaluate = lr_schedule(args), eval_params(engine, args)
     window = LogWindow(tokens_per_step, state_bytes, skipped=extra.get("skipped_total", 0))  # over the whole run
     records, warned_stuck, flags = [], False, training_flags(args)
     profiler = make_profiler(args.profile, rank)
@@ -178,7 +180,7 @@ def main(argv=None):
             if step % args.log_every == 0 or step == args.steps or evaluate_now or time_comm_now or save_now:
                 new, stuck = window.drain()
                 if evaluate_now:
-                    new[-1]["val_loss"] = evaluate(params, loss_fn, val_batches)
+                    new[-1]["val_loss"] = evaluate(to_evaluate(params, state), loss_fn, val_batches)
                 if time_comm_now:
                     comm = engine.time_collectives()  # per bucket, each alone, max over ranks
                     new[-1]["comm_ms"] = {k: [round(t, 3) for t in ts] for k, ts in comm.items()}

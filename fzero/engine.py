@@ -293,6 +293,23 @@ class Engine:
             self.comm.check_unchanged()
         return self._bound
 
+    def params_from(self, params: Any, state: ZeroState, fn) -> Any:
+        """Params made from this rank's shard of the state and gathered from every rank, as a new
+        pytree in ``param_dtype`` (the cast is the step's, saturating): Schedule-Free's
+        evaluation params, ``engine.params_from(params, state,
+        transforms.schedule_free_eval_params)``. ``fn(tx_state, master)`` gets this rank's
+        transform state and FP32 master shard (``[S]``) and returns an FP32 ``[S]`` tensor laid
+        out like the master (an elementwise function of the two: ``fn`` sees a shard, not
+        leaves). An all-gather: call it on every rank. ``params``, ``state``: the step's."""
+        b = self._ready()
+        master = self.with_fp32_master(params, state, where="engine.params_from").master
+        shard = fn(state.tx_state, master)
+        if not (isinstance(shard, torch.Tensor) and shard.shape == master.shape and shard.is_floating_point()):
+            got = type(shard).__name__ if not isinstance(shard, torch.Tensor) else f"{shard.dtype} {tuple(shard.shape)}"
+            raise ValueError(f"engine.params_from: fn returned {got}; it must return a floating tensor of this rank's "
+                             f"shard's shape {tuple(master.shape)}")
+        return gathered(self.comm, cast_params(shard.float().to(b.grads.device), self.param_dtype), b.grads.layout)
+
     def time_collectives(self) -> dict[str, list[float]]:
         """Per-bucket milliseconds of the step's reduce-scatter (grads in the wire dtype, summed in
         the reduce dtype) and all-gather (param dtype), each measured alone, max over ranks; empty

@@ -29,7 +29,8 @@ from fzero.checkpoint import read_manifest
 from fzero.models import gpt
 
 import data
-from helpers import EXAMPLES, TRAIN, edit_manifest, forbid_host_syncs, load_train_module, made_once, run_script
+from helpers import (EXAMPLES, TRAIN, edit_manifest, forbid_host_syncs, grads_like, load_train_module, made_once, run_script,
+                     tree_assert_close)
 from ranks import RANK_0_REPORT_WAIT_S
 
 STEP_KEYS = {
@@ -276,6 +277,7 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--optimizer", "lion", "--moments", "int8"], 1, "--optimizer lion keeps one momentum in fp32 or bf16"),
     (["--optimizer", "ademamix", "--moments", "bf16"], 1, "--optimizer ademamix keeps its moments in fp32"),
     (["--optimizer", "lamb", "--moments", "int8"], 1, "--optimizer lamb keeps its moments in fp32"),
+    (["--optimizer", "schedule_free", "--moments", "bf16"], 1, "--optimizer schedule_free keeps its moments in fp32"),
     # flags that fix the model and its optimizer state, against the checkpoint's (RESUMABLE)
     (["--resume", "{ckpt}", "--dtype", "fp16"], 1,
      "--resume {ckpt}: --dtype fp16 (checkpoint: bf16): these flags fix the model and its optimizer state; "
@@ -793,6 +795,25 @@ def test_lamb_optimizer_scales_each_matrix_step_to_lr_times_its_norm():
             torch.testing.assert_close(x, old * (1 - 0.1), rtol=1e-5, atol=1e-7)
         else:
             assert torch.equal(x, old)
+
+
+def test_schedule_free_optimizer_warms_up_without_decay_and_is_evaluated_at_its_averaged_params():
+    """--optimizer schedule_free: the learning rate warms up to --lr and stays there (no cosine);
+    after a few steps the params evaluated are the averaged sequence x gathered from the state
+    (``engine.params_from``), which differs from the params y the gradients are taken at."""
+    train_py = load_train_module()
+    args = train_py.parse_args(["--optimizer", "schedule_free", "--lr", "0.01", "--warmup", "2", "--steps", "10"])
+    lr = train_py.lr_schedule(args)
+    assert [round(float(lr(torch.tensor(c))), 6) for c in (0, 1, 2, 9)] == [0.0, 0.005, 0.01, 0.01]
+    engine = fzero.zero1(train_py.make_optimizer(args), param_dtype=torch.float32)
+    p, state, scaler_state = engine.init(nano_gpt_params())
+    for seed in range(3):
+        p, state, scaler_state, _ = engine.step(p, grads_like(p, seed), state, scaler_state)
+    x = train_py.eval_params(engine, args)(p, state)
+    sf = state.tx_state[1]  # chain(clip, schedule_free_adamw)
+    want = fzero.unflatten((state.master - 0.1 * sf.z) / 0.9, engine.layout)
+    tree_assert_close(x, want, rtol=1e-6, atol=1e-7)
+    assert not all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(x), optree.tree_leaves(p)))
 
 
 # ---------------------------------------------------------------- the compiled, sync-free main job

@@ -30,6 +30,10 @@ def lamb():
     return clipped(transforms.lamb(SCHEDULE, betas=(0.9, 0.99), weight_decay=0.3, weight_decay_mask=matrices))
 
 
+def schedule_free():
+    return clipped(transforms.schedule_free_adamw(1e-2, 2, (0.9, 0.99), weight_decay=0.3, weight_decay_mask=matrices))
+
+
 def split(matrices_tx, rest_tx):
     """``matrices_tx`` on the matrices, ``rest_tx`` on the other leaves, clipped."""
     labels = lambda p: optree.tree_map(lambda x: "matrices" if x.ndim > 1 else "rest", p)  # noqa: E731
@@ -49,7 +53,11 @@ def lamb_beside_ademamix():
     return split(transforms.lamb(SCHEDULE, weight_decay=0.3), transforms.ademamix(1e-3))
 
 
-TRANSFORMS = [lion, ademamix, lamb]
+def schedule_free_beside_lamb():
+    return split(transforms.schedule_free_adamw(1e-2, weight_decay=0.3), transforms.lamb(1e-3))
+
+
+TRANSFORMS = [lion, ademamix, lamb, schedule_free]
 
 
 @pytest.mark.multirank
@@ -65,7 +73,7 @@ def test_one_rank_engine_equals_the_transform_and_compiled_equals_eager(make_tx)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("make_tx", [lion_beside_adamw, ademamix_beside_lion, lamb_beside_ademamix],
+@pytest.mark.parametrize("make_tx", [lion_beside_adamw, ademamix_beside_lion, lamb_beside_ademamix, schedule_free_beside_lamb],
                          ids=lambda f: f.__name__)
 def test_on_a_mesh_with_partition_and_a_checkpoint_loaded_at_one_rank_it_trains_as_one_process(make_tx, tmp_path):
     assert_sharded_runs_equal_one_process(make_tx, 4, tmp_path)

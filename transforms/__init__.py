@@ -29,6 +29,7 @@ from .clip import clip_by_global_norm, global_norm
 from .muon import ScaleByMuonState, muon, newton_schulz, scale_by_muon
 from .partition import PartitionState, partition
 from .scalars import host_value, hyperparam, scalar, with_host_value
+from .schedule_free import ScheduleFreeState, schedule_free_adamw, schedule_free_eval_params
 from .scale import add_decayed_weights, scale_by_learning_rate
 from .schedules import constant, cosine_decay, linear, linear_warmup, warmup_cosine_decay
 from .sgd import sgd, trace
@@ -42,6 +43,7 @@ __all__ = [
     "ScaleByAdemamixState",
     "ScaleByLionState",
     "ScaleByMuonState",
+    "ScheduleFreeState",
     "ShardContext",
     "Split",
     "adamw",
@@ -75,6 +77,8 @@ __all__ = [
     "scale_by_lion",
     "scale_by_muon",
     "scale_by_trust_ratio",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
     "set_hyperparams",
     "sgd",
     "trace",

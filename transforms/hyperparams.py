@@ -31,6 +31,7 @@ HYPERPARAM_RULES: dict[str, Rule] = {
     "b2": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "b3": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "alpha": (_finite_at_least_0, "a finite number >= 0"),
+    "weight_lr_power": (_finite_at_least_0, "a finite number >= 0"),
     "eps": (_finite_at_least_0, "a finite number >= 0"),
     "weight_decay": (_finite_at_least_0, "a finite number >= 0"),
     "momentum": (_finite_at_least_0, "a finite number >= 0"),
