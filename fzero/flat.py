@@ -209,9 +209,11 @@ def leaf_views(flat: torch.Tensor, layout: Layout, grads_into: torch.Tensor | No
 def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_into: torch.Tensor | None = None) -> Any:
     """The pytree whose leaves are *views* into ``flat`` (writes to a leaf write the buffer).
 
-    ``like``: a pytree with the layout's structure to take the structure from. Inside
-    ``torch.compile`` pass one (e.g. the params): dynamo rebuilds trees only from structures
-    it traced itself, not from the ``PyTreeSpec`` stored in the layout.
+    ``like``: a pytree with the layout's structure to take the structure from. Traced, a
+    structure of plain dicts, lists, tuples and ``None`` is built by the layout's generated code
+    (``Layout.tree_builder``) and ``like`` is not needed; for any other structure (a NamedTuple,
+    a registered class) pass one inside ``torch.compile`` (e.g. the params): dynamo rebuilds
+    trees only from structures it traced itself, not from the ``PyTreeSpec`` in the layout.
 
     ``grads_into``: a ``[padded_numel]`` buffer of ``flat``'s dtype and device, which backward
     through the leaves fills with their grads, laid out as ``flat`` (every element: zeros for
@@ -228,6 +230,8 @@ def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_int
     if grads_into is not None:
         _check_grads_into(grads_into, flat)
     leaves = leaf_views(flat, layout, grads_into)
+    if compiling() and layout.tree_builder is not None:  # traced: the layout's generated builder
+        return layout.tree_builder(leaves)
     if like is None:
         return optree.tree_unflatten(layout.treespec, leaves)
     return tree_like(like, leaves)

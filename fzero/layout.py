@@ -30,6 +30,8 @@ import torch
 
 from fzero.transforms.tree import leaf_paths
 
+from .tree_code import builder
+
 __all__ = ["Bucket", "Layout", "make_layout", "DEFAULT_ALIGNMENT"]
 
 DEFAULT_ALIGNMENT = 64  # elements; 128 B of fp16, 256 B of fp32: aligned vector loads on every rank
@@ -91,6 +93,16 @@ class Layout:
     def shard_ranges(self, rank: int) -> list[tuple[int, int]]:
         """``[(start, stop), ...]`` flat ranges rank owns, one per bucket, in shard order."""
         return [(b.start + rank * b.shard, b.start + (rank + 1) * b.shard) for b in self.buckets]
+
+    @functools.cached_property
+    def tree_builder(self):
+        """``leaves -> the params pytree`` as generated code (``fzero.tree_code.builder``), or
+        ``None`` for a structure it does not build: what ``unflatten`` traces."""
+        return builder(self.treespec)
+
+    def __getstate__(self) -> dict:
+        # the fields only: the derived values are computed again, and generated code does not pickle
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @functools.cached_property
     def global_offsets(self) -> tuple[int, ...]:
@@ -178,6 +190,6 @@ def make_layout(
         buckets.append(Bucket(tuple(group), start, numel, shard))
         start += world_size * shard
     layout = Layout(spec, tuple(paths), shapes, tuple(offsets), tuple(buckets), world_size, alignment)
-    for name in ("numel", "shard_numel", "padded_numel", "split_sizes", "global_offsets"):
+    for name in ("numel", "shard_numel", "padded_numel", "split_sizes", "global_offsets", "tree_builder"):
         getattr(layout, name)  # computed once, here: where torch.compile traces, read as constants
     return layout
