@@ -16,6 +16,7 @@ if __name__ != "fzero.transforms":  # the folder imported by its own name, from 
 
     one_module(__name__, "fzero.transforms")  # the import then returns fzero.transforms itself
 
+from .adafactor import AdafactorState, adafactor
 from .adam import ScaleByAdamState, adamw, scale_by_adam
 from .ademamix import ScaleByAdemamixState, ademamix, scale_by_ademamix
 from .protocol import GradientTransformation, apply_updates, identity
@@ -35,6 +36,7 @@ from .schedules import constant, cosine_decay, linear, linear_warmup, warmup_cos
 from .sgd import sgd, trace
 
 __all__ = [
+    "AdafactorState",
     "FusedStep",
     "GradientTransformation",
     "MaskedState",
@@ -46,6 +48,7 @@ __all__ = [
     "ScheduleFreeState",
     "ShardContext",
     "Split",
+    "adafactor",
     "adamw",
     "ademamix",
     "add_decayed_weights",
