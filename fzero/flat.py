@@ -232,52 +232,7 @@ def unflatten(flat: torch.Tensor, layout: Layout, *, like: Any = None, grads_int
     leaves = leaf_views(flat, layout, grads_into)
     if compiling() and layout.tree_builder is not None:  # traced: the layout's generated builder
         return layout.tree_builder(leaves)
-    if like is None:
-        return optree.tree_unflatten(layout.treespec, leaves)
-    return tree_like(like, leaves)
-
-
-def tree_like(like: Any, leaves: list) -> Any:
-    """``optree.tree_unflatten(optree.tree_structure(like), leaves)``. Traced, a ``like`` of
-    plain dicts with ``str`` keys, lists, tuples, ``None`` and tensors (a params pytree) is
-    rebuilt here: dynamo interprets optree's structure and unflatten bytecode by bytecode (a
-    dataclass per node), most of what it traced of the main job's loss (docs/startup.md)."""
-    if compiling():
-        built, used = _rebuilt(like, leaves, 0)
-        if used == len(leaves):
-            return built
-    return optree.tree_unflatten(optree.tree_structure(like), leaves)
-
-
-def _rebuilt(like: Any, leaves: list, i: int) -> tuple[Any, int]:
-    """``(like rebuilt from leaves[i:], the index after its last leaf)``, in optree's order
-    (a dict's leaves by sorted key, the dict itself in ``like``'s key order); index ``-1``
-    for a node this walk does not know (optree then rebuilds ``like``)."""
-    if isinstance(like, torch.Tensor):
-        return (leaves[i], i + 1) if i < len(leaves) else (None, -1)
-    if like is None:
-        return None, i
-    t = type(like)
-    if t is dict:
-        keys = list(like)
-        for k in keys:
-            if type(k) is not str:
-                return None, -1
-        built = {}
-        for k in sorted(keys):
-            built[k], i = _rebuilt(like[k], leaves, i)
-            if i < 0:
-                return None, -1
-        return {k: built[k] for k in keys}, i
-    if t is list or t is tuple:
-        children = []
-        for child in like:
-            c, i = _rebuilt(child, leaves, i)
-            if i < 0:
-                return None, -1
-            children.append(c)
-        return (children if t is list else tuple(children)), i
-    return None, -1
+    return optree.tree_unflatten(layout.treespec if like is None else optree.tree_structure(like), leaves)
 
 
 def _check_grads_into(into: torch.Tensor, flat: torch.Tensor) -> None:

@@ -226,23 +226,23 @@ def test_traced_walks_of_fzeros_own_nodes_equal_optrees_and_leave_others_to_it()
         torch.compile(lambda a, b: flat.tree_map(torch.add, a, b))((torch.ones(1),), (torch.ones(1), torch.ones(1)))
 
 
-def test_traced_unflatten_like_a_params_tree_rebuilds_optrees_tree():
-    """``unflatten(like=)`` traced rebuilds a params tree of plain dicts, lists, tuples and
-    ``None`` itself (``fzero.flat.tree_like``): the same tree as optree's -- a dict's leaves
-    taken by sorted key, the dict in ``like``'s key order -- and the same views; a tree it does
-    not know (a foreign NamedTuple, a dict with int keys) is optree's to rebuild, the same."""
+def test_traced_unflatten_rebuilds_optrees_tree_with_or_without_like():
+    """Traced, ``unflatten`` gives optree's tree -- a dict in its key order, the same views --
+    for a tree of dicts, lists, tuples and ``None`` from the layout's generated builder (with
+    ``like`` or without), and for a tree with a foreign node (a NamedTuple, int keys) from
+    ``like``'s structure."""
     trees = [odd_tree(), {"b": (torch.ones(2), None, [torch.zeros(3)]), "a": torch.ones(4)},
              [Foreign(torch.ones(1), torch.zeros(2))], {2: torch.ones(1), 1: torch.zeros(2)}]
     for tree in trees:
         layout = make_layout(tree, world_size=1)
         buf = flatten(tree, layout)
-        got = torch.compile(lambda f, like: unflatten(f, layout, like=like), fullgraph=True)(buf, tree)
         want = unflatten(buf, layout)
-        assert optree.tree_structure(got) == optree.tree_structure(want) == optree.tree_structure(tree)
-        if isinstance(tree, dict):
-            assert list(got) == list(tree)  # the key order kept
-        leaves = optree.tree_leaves(want)
-        assert flat._rebuilt(tree, leaves, 0)[1] == (len(leaves) if tree is not trees[2] and tree is not trees[3] else -1)
-        assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)))
-    with pytest.raises(ValueError, match="(?i)leaves|structure|expected"):
-        flat.tree_like({"a": torch.ones(1), "b": torch.ones(1)}, [torch.ones(1)])
+        runs = [torch.compile(lambda f, like: unflatten(f, layout, like=like), fullgraph=True)(buf, tree)]
+        if layout.tree_builder is not None:
+            runs.append(torch.compile(lambda f: unflatten(f, layout), fullgraph=True)(buf))
+        for got in runs:
+            assert optree.tree_structure(got) == optree.tree_structure(want) == optree.tree_structure(tree)
+            if isinstance(tree, dict):
+                assert list(got) == list(tree)  # the key order kept
+            assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)))
+    assert [make_layout(t, world_size=1).tree_builder is None for t in trees] == [False, False, True, True]
