@@ -139,3 +139,16 @@ def test_params_from_a_state_without_schedule_free_says_so():
     params, state, _ = engine.init(odd_params())
     with pytest.raises(ValueError, match="holds 0 ScheduleFreeState"):
         engine.params_from(params, state, transforms.schedule_free_eval_params)
+
+
+def test_a_constant_learning_rate_set_between_steps_moves_the_step_and_the_averaging_weight():
+    """``set_hyperparams(lr=)`` on a constant rate: the next step is the one a transform built
+    with that rate takes from the same state (the base's step and the averaging weight both read
+    it)."""
+    params, grads = odd_params(), seq(3)
+    p, state = run_tx(tx_of(1e-2, 0, (0.9, 0.999), 0.0, 2.0), params, grads[:2])
+    moved, _ = tx_of(1e-2, 0, (0.9, 0.999), 0.0, 2.0).update(grads[2], transforms.set_hyperparams(state, lr=3e-2), p)
+    want, _ = tx_of(3e-2, 0, (0.9, 0.999), 0.0, 2.0).update(grads[2], transforms.set_hyperparams(state, lr=3e-2), p)
+    tree_assert_close(moved, want, rtol=0, atol=0)
+    unchanged, _ = tx_of(1e-2, 0, (0.9, 0.999), 0.0, 2.0).update(grads[2], state, p)
+    assert not all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(moved), optree.tree_leaves(unchanged)))

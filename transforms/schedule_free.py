@@ -27,6 +27,8 @@ from .validate import check_count, check_number
 
 __all__ = ["ScheduleFreeState", "ScaleByRmsState", "schedule_free_adamw", "schedule_free_eval_params"]
 
+LR_STATE = 2  # where the momentum-free AdamW chain keeps its learning rate's state
+
 
 class ScaleByRmsState(NamedTuple):
     """``count``: 0-d int32; ``nu``: the second moment, like the updates; ``b2``, ``eps``: 0-d
@@ -137,7 +139,7 @@ def schedule_free_adamw(lr=0.0025, warmup_steps: int = 0, betas: tuple[float, fl
             lr = linear_warmup(0.0, lr, warmup_steps)
     schedule = lr if callable(lr) else None
     base = chain(_scale_by_rms(b2, eps), add_decayed_weights(weight_decay, mask=weight_decay_mask),
-                 scale_by_learning_rate(lr))
+                 scale_by_learning_rate(lr))  # its state: (rms, decay, lr), the lr state at LR_STATE
 
     def init(params, *, context: ShardContext | None = None):
         zero = torch.zeros((), dtype=torch.float32, device=first_device(params))
@@ -148,7 +150,9 @@ def schedule_free_adamw(lr=0.0025, warmup_steps: int = 0, betas: tuple[float, fl
     def update(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("schedule_free_adamw needs params (the sequence y the gradient was taken at)")
-        rate = schedule(state.step_count) if schedule is not None else learning_rate(lr, state.inner[2])
+        # a schedule at the wrapper's count (optax's); a constant rate from the base's lr state
+        # (chain member 2), so that set_hyperparams(lr=) moves both
+        rate = schedule(state.step_count) if schedule is not None else learning_rate(lr, state.inner[LR_STATE])
         max_lr = torch.maximum(state.max_lr, torch.as_tensor(rate).to(torch.float32))
         weight = max_lr ** scalar(state.weight_lr_power)
         total = state.weight_sum + weight
