@@ -24,7 +24,6 @@ from __future__ import annotations
 import types
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from torch.utils import _python_dispatch
 

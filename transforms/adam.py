@@ -14,6 +14,7 @@ from .hyperparams import HYPERPARAM_RULES
 from .quantize import BLOCK, block_scale, dequantize, is_stored, quantize, zeros as quantized_zeros
 from .scalars import host_value, hyperparam, scalar, zero_count
 from .scale import add_decayed_weights, learning_rate, next_learning_rate_state, scale_by_learning_rate
+from .tree import map_leaves
 from .validate import check_number
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "adamw"]
@@ -121,11 +122,8 @@ def scale_by_adam(
             return (u.to(g.dtype), _store(m, m_old, signed=True, peak=peaks[0]),
                     _store(v, v_old, signed=False, peak=peaks[1]))
 
-        # ``flatten_up_to``: under each update leaf a moment is a tensor or a Quantized node
-        spec = optree.tree_structure(updates)
-        out = [leaf(*x) for x in zip(spec.flatten_up_to(updates), spec.flatten_up_to(state.mu),
-                                     spec.flatten_up_to(state.nu))]
-        u, mu, nu = (spec.unflatten(list(x)) for x in zip(*out)) if out else (updates, state.mu, state.nu)
+        # under each update leaf a moment is a tensor or a Quantized node
+        u, mu, nu = map_leaves(leaf, updates, state.mu, state.nu, outputs=3)
         return u, state._replace(count=count, mu=mu, nu=nu)
 
     return GradientTransformation(init, update, block=BLOCK if quantized else 1)

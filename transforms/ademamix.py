@@ -18,6 +18,7 @@ from .context import ShardContext
 from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar, zero_count
 from .scale import decoupled
+from .tree import map_leaves
 from .validate import check_number
 
 __all__ = ["ScaleByAdemamixState", "scale_by_ademamix", "ademamix"]
@@ -84,12 +85,7 @@ def scale_by_ademamix(b1: float = 0.9, b2: float = 0.999, b3: float = 0.9999, al
             u = (m1 * inv_bc1 + alpha_ * m2) / ((nu * inv_bc2).sqrt() + eps_)
             return u.to(g.dtype), m1.to(m1_old.dtype), m2.to(m2_old.dtype), nu.to(nu_old.dtype)
 
-        spec = optree.tree_structure(updates)
-        out = [leaf(*x) for x in zip(spec.flatten_up_to(updates), spec.flatten_up_to(state.m1),
-                                     spec.flatten_up_to(state.m2), spec.flatten_up_to(state.nu))]
-        if not out:
-            return updates, state._replace(count=count)
-        u, m1, m2, nu = (spec.unflatten(list(x)) for x in zip(*out))
+        u, m1, m2, nu = map_leaves(leaf, updates, state.m1, state.m2, state.nu, outputs=4)
         return u, state._replace(count=count, m1=m1, m2=m2, nu=nu)
 
     return GradientTransformation(init, update)

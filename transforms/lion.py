@@ -16,6 +16,7 @@ from .context import ShardContext
 from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar, zero_count
 from .scale import decoupled
+from .tree import map_leaves
 from .validate import check_number
 
 __all__ = ["ScaleByLionState", "scale_by_lion", "lion"]
@@ -65,9 +66,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, *, mu_dtype: torch.dtype | 
             g32, m = g.float(), m_old.float()
             return torch.sign(w1 * g32 + c1 * m).to(g.dtype), (w2 * g32 + c2 * m).to(m_old.dtype)
 
-        spec = optree.tree_structure(updates)
-        out = [leaf(g, m) for g, m in zip(spec.flatten_up_to(updates), spec.flatten_up_to(state.mu))]
-        u, mu = (spec.unflatten(list(x)) for x in zip(*out)) if out else (updates, state.mu)
+        u, mu = map_leaves(leaf, updates, state.mu, outputs=2)
         return u, state._replace(count=state.count + 1, mu=mu)
 
     return GradientTransformation(init, update)

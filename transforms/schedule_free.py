@@ -22,7 +22,7 @@ from .hyperparams import HYPERPARAM_RULES
 from .scalars import first_device, hyperparam, scalar, zero_count
 from .scale import add_decayed_weights, learning_rate, scale_by_learning_rate
 from .schedules import linear_warmup
-from .tree import named_tuples
+from .tree import map_leaves, named_tuples
 from .validate import check_count, check_number
 
 __all__ = ["ScheduleFreeState", "ScaleByRmsState", "schedule_free_adamw", "schedule_free_eval_params"]
@@ -61,9 +61,7 @@ def _scale_by_rms(b2: float, eps: float) -> GradientTransformation:
             nu = w * g32 * g32 + c * nu_old.float()
             return (g32 / ((nu * inv_bc).sqrt() + eps_)).to(g.dtype), nu.to(nu_old.dtype)
 
-        spec = optree.tree_structure(updates)
-        out = [leaf(g, v) for g, v in zip(spec.flatten_up_to(updates), spec.flatten_up_to(state.nu))]
-        u, nu = (spec.unflatten(list(x)) for x in zip(*out)) if out else (updates, state.nu)
+        u, nu = map_leaves(leaf, updates, state.nu, outputs=2)
         return u, state._replace(count=count, nu=nu)
 
     return GradientTransformation(init, update)
@@ -168,10 +166,7 @@ def schedule_free_adamw(lr=0.0025, warmup_steps: int = 0, betas: tuple[float, fl
             x = (1 - ck) * x + ck * z
             return (b1_ * x + (1 - b1_) * z - y.float()).to(y.dtype), z.to(z_old.dtype)
 
-        spec = optree.tree_structure(updates)
-        out = [leaf(*a) for a in zip(spec.flatten_up_to(params), spec.flatten_up_to(state.z),
-                                     spec.flatten_up_to(base_updates))]
-        new_updates, z = (spec.unflatten(list(x)) for x in zip(*out)) if out else (updates, state.z)
+        new_updates, z = map_leaves(leaf, params, state.z, base_updates, outputs=2)
         return new_updates, state._replace(weight_sum=total, max_lr=max_lr, step_count=state.step_count + 1,
                                            inner=inner, z=z)
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import optree
 
-__all__ = ["named_tuples", "leaf_paths"]
+__all__ = ["named_tuples", "leaf_paths", "map_leaves"]
 
 
 def named_tuples(tree):
@@ -32,3 +32,13 @@ def leaf_paths(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
     way fzero names a leaf, in errors and in checkpoints (``fzero.checks``, ``fzero.checkpoint``)."""
     accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
     return ["/".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors], leaves, spec
+
+
+def map_leaves(fn, tree: Any, *rest: Any, outputs: int) -> tuple:
+    """``fn`` on each leaf of ``tree`` with what stands at that leaf in each of ``rest`` (each
+    flattened up to ``tree``'s structure: under an update leaf a state may hold a node, e.g. a
+    ``Quantized`` or ``Factored`` moment), ``fn`` returning ``outputs`` values per leaf:
+    ``outputs`` trees with ``tree``'s structure (a transform's new updates and state pieces)."""
+    spec = optree.tree_structure(tree)
+    out = [fn(*x) for x in zip(spec.flatten_up_to(tree), *(spec.flatten_up_to(r) for r in rest))]
+    return tuple(spec.unflatten([o[k] for o in out]) for k in range(outputs))
