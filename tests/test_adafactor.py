@@ -86,3 +86,12 @@ def test_the_engine_refuses_it_at_init_saying_why():
     engine = fzero.zero1(transforms.adafactor(), param_dtype=torch.float32)
     with pytest.raises(ValueError, match="row and column statistics, which fzero's engine does not shard yet"):
         engine.init(odd_params())
+
+
+def test_set_hyperparams_checks_its_hyperparameters_as_the_factory_does():
+    state = transforms.adafactor().init(odd_params())
+    assert float(transforms.set_hyperparams(state, d=2.0).d) == 2.0
+    for name, value, message in [("beta2_decay", 0.5, "a finite number <= 0"), ("d", 0.5, "a finite number >= 1"),
+                                 ("eps2", -1.0, "a finite number >= 0")]:
+        with pytest.raises(ValueError, match=f"{name} must be {message}"):
+            transforms.set_hyperparams(state, **{name: value})

@@ -25,6 +25,7 @@ from .context import ShardContext
 from .hyperparams import HYPERPARAM_RULES
 from .scalars import hyperparam, scalar, zero_count
 from .scale import ScaleByLearningRateState, ScaleByScheduleState, learning_rate, next_learning_rate_state
+from .tree import map_leaves
 from .validate import check_number
 
 __all__ = ["AdafactorState", "Factored", "adafactor"]
@@ -77,13 +78,13 @@ def adafactor(lr=1e-2, beta2_decay: float = -0.8, eps: tuple[float | None, float
     Arguments are checked as torch checks them (``ValueError`` naming the argument)."""
     if not callable(lr):
         check_number("adafactor", "lr", lr, HYPERPARAM_RULES["lr"])
-    check_number("adafactor", "beta2_decay", beta2_decay, (lambda v: math.isfinite(v) and v <= 0, "a finite number <= 0"))
+    check_number("adafactor", "beta2_decay", beta2_decay, HYPERPARAM_RULES["beta2_decay"])
     if len(eps) != 2:
         raise ValueError(f"adafactor: eps must be (eps1, eps2), eps1 None for the dtype's epsilon, got {eps!r}")
     if eps[0] is not None:
-        check_number("adafactor", "eps[0]", eps[0], HYPERPARAM_RULES["eps"])
-    check_number("adafactor", "eps[1]", eps[1], HYPERPARAM_RULES["eps"])
-    check_number("adafactor", "d", d, (lambda v: math.isfinite(v) and v >= 1, "a finite number >= 1"))
+        check_number("adafactor", "eps[0]", eps[0], HYPERPARAM_RULES["eps1"])
+    check_number("adafactor", "eps[1]", eps[1], HYPERPARAM_RULES["eps2"])
+    check_number("adafactor", "d", d, HYPERPARAM_RULES["d"])
     check_number("adafactor", "weight_decay", weight_decay, HYPERPARAM_RULES["weight_decay"])
 
     def init(params, *, context: ShardContext | None = None):
@@ -130,10 +131,7 @@ def adafactor(lr=1e-2, beta2_decay: float = -0.8, eps: tuple[float | None, float
             denom = torch.clamp(u.norm().double() / (n * state.d), min=1.0)
             return (-scalar(alpha / denom) * u - decay * p32).to(g.dtype), new_m
 
-        spec = optree.tree_structure(updates)
-        out = [leaf(*x) for x in zip(spec.flatten_up_to(updates), spec.flatten_up_to(params),
-                                     spec.flatten_up_to(state.moments))]
-        u, moments = (spec.unflatten(list(x)) for x in zip(*out)) if out else (updates, state.moments)
+        u, moments = map_leaves(leaf, updates, params, state.moments, outputs=2)
         return u, state._replace(count=count, moments=moments, lr=next_learning_rate_state(lr, state.lr, lambda c: c + 1))
 
     return GradientTransformation(init, update, None, lambda state: {"lr": learning_rate(lr, state.lr)})

@@ -32,6 +32,10 @@ HYPERPARAM_RULES: dict[str, Rule] = {
     "b3": (lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     "alpha": (_finite_at_least_0, "a finite number >= 0"),
     "weight_lr_power": (_finite_at_least_0, "a finite number >= 0"),
+    "beta2_decay": (lambda v: math.isfinite(v) and v <= 0, "a finite number <= 0"),
+    "eps1": (_finite_at_least_0, "a finite number >= 0"),
+    "eps2": (_finite_at_least_0, "a finite number >= 0"),
+    "d": (lambda v: math.isfinite(v) and v >= 1, "a finite number >= 1"),
     "eps": (_finite_at_least_0, "a finite number >= 0"),
     "weight_decay": (_finite_at_least_0, "a finite number >= 0"),
     "momentum": (_finite_at_least_0, "a finite number >= 0"),
@@ -97,8 +101,9 @@ def set_hyperparams(state, **values):
     ``ValueError`` saying so; other unknown names raise ``KeyError`` naming the ones
     there are. New values of
     the built-in names are checked like the factories' arguments (``lr``, ``eps``,
-    ``weight_decay``, ``momentum``, ``alpha`` finite and >= 0; ``b1``, ``b2``, ``b3`` in [0, 1);
-    ``max_norm`` finite and > 0), Python numbers and tensors alike (a tensor is read on the host: call this between
+    ``weight_decay``, ``momentum``, ``alpha``, ``weight_lr_power``, ``eps1``, ``eps2`` finite and
+    >= 0; ``b1``, ``b2``, ``b3`` in [0, 1); ``max_norm`` finite and > 0; ``beta2_decay`` finite
+    and <= 0; ``d`` finite and >= 1), Python numbers and tensors alike (a tensor is read on the host: call this between
     steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
     ``state``: a transform's state, or a holder of one (``register_holder``: fzero's engine
     state), returned with the same structure.
