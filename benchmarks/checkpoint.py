@@ -182,7 +182,7 @@ def measure_writers(trainer: Trainer, dev, rounds: int, steps: int, tmp: str, ni
     names, leaves, _ = transforms.tree.leaf_paths(trainer.carry[1])
     kinds = manifest.classify(names, leaves, e.layout.shard_numel)
     buf = staging.StagingBuffer()
-    contents = staging.staged(names, leaves, kinds, trainer.carry[2], e.layout.owned(0), buf)
+    contents = staging.staged(names, leaves, kinds, trainer.carry[2], e.layout.owned(0), True, buf)
     contents.ready()
     nbytes = sum(x.nbytes for x in contents.entries)
     buf.buffer.share_memory_()

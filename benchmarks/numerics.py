@@ -20,12 +20,12 @@ within 1% of FP32 moments, every loss finite, no extra skipped steps.
 
 ``--optimizers``: AdamW against Muon + AdamW (``train.py --optimizer muon``: Muon on the blocks'
 matrices), Lion (``--optimizer lion``, at its own ``--lr`` and ``--weight-decay``:
-``OPTIMIZER_FLAGS``), AdEMAMix (``--optimizer ademamix``), LAMB (``--optimizer lamb``) and
-Schedule-Free AdamW (``--optimizer schedule_free``, evaluated at its averaged params) at equal
-steps, FP16 params, 1 rank, seeds 1-3: final val loss, time per step and state per param against
+``OPTIMIZER_FLAGS``), AdEMAMix (``--optimizer ademamix``), LAMB (``--optimizer lamb``),
+Schedule-Free AdamW (``--optimizer schedule_free``, evaluated at its averaged params) and
+Adafactor (``--optimizer adafactor``) at equal steps, FP16 params, 1 rank, seeds 1-3: final val loss, time per step and state per param against
 AdamW's, as measured.
 
-    python benchmarks/numerics.py --optimizers                 # 18 runs
+    python benchmarks/numerics.py --optimizers                 # 21 runs
     python benchmarks/numerics.py --optimizers ademamix        # AdamW and AdEMAMix only
 """
 from __future__ import annotations
@@ -63,8 +63,10 @@ def run(dtype: str, master: str, ranks: int, steps: int, out: str, *, moments: s
 # --optimizers: each optimizer's flags beside train.py's defaults. Lion's steps are lr per
 # element: a third of AdamW's lr and 10x its decay (the best of lr 3e-4, 6e-4, 1e-3 at weight
 # decay 0.1 on one seed, docs/optimizers.md). LAMB's are lr times each param's norm: 10x AdamW's
-# lr (the best of 3e-3, 1e-2, 3e-2 on seed 1).
-OPTIMIZER_FLAGS = {"adamw": {}, "muon": {}, "lion": {"lr": 1e-3, "weight_decay": 0.1}, "ademamix": {}, "lamb": {"lr": 3e-2}, "schedule_free": {}}
+# lr (the best of 3e-3, 1e-2, 3e-2 on seed 1). Adafactor's are min(lr, 1/sqrt(t)) times each
+# param's RMS: lr 0.1 (the best of 1e-2, 3e-2, 0.1, 0.3 on seed 1).
+OPTIMIZER_FLAGS = {"adamw": {}, "muon": {}, "lion": {"lr": 1e-3, "weight_decay": 0.1}, "ademamix": {}, "lamb": {"lr": 3e-2},
+                   "schedule_free": {}, "adafactor": {"lr": 0.1}}
 
 # --moments: (master, moments) against (fp32, fp32), BF16 params
 MOMENT_ROWS = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"), ("remainder", "bf16"), ("remainder", "int8")]

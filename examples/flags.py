@@ -17,7 +17,7 @@ from fzero.models import gpt
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 MLP_DIMS = "64,256,256,64"
 MOMENTS = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}  # --moments: scale_by_adam's mu_dtype/nu_dtype
-OPTIMIZERS = ("adamw", "muon", "lion", "ademamix", "lamb", "schedule_free")  # --optimizer: examples/recipe.py's make_optimizer
+OPTIMIZERS = ("adamw", "muon", "lion", "ademamix", "lamb", "schedule_free", "adafactor")  # --optimizer: examples/recipe.py's make_optimizer
 GPT_CONFIGS = {  # vocab_size becomes the data's (97 characters); params counted at that vocab
     "nano": lambda: gpt.GPTConfig(97, block_size=64, n_layer=2, n_head=4, n_embd=64),  # 0.11M: minutes on CPU
     "tiny": gpt.GPTConfig.tiny,  # 0.82M
@@ -58,7 +58,10 @@ def make_parser(**kwargs) -> argparse.ArgumentParser:
                         "param, with the same schedule and decay mask; or lamb: LAMB (AdamW's direction, each "
                         "param's step scaled to --lr times its norm) on every param, the same schedule and decay "
                         "mask; or schedule_free: Schedule-Free AdamW (the warmup, then --lr without decay; "
-                        "evaluated at its averaged params) on every param, the same decay mask: %(default)s")
+                        "evaluated at its averaged params) on every param, the same decay mask; or adafactor: "
+                        "Adafactor (a factored second moment, 4 bytes per row and column of each matrix; its step "
+                        "relative to each param's RMS, so give it a larger --lr) on every param, the same schedule "
+                        "and decay mask: %(default)s")
     p.add_argument("--moments", choices=list(MOMENTS), default="fp32",
                    help="how AdamW stores its two moments: fp32 (4+4 bytes/param), bf16 (2+2), or int8 (8-bit codes "
                         "with one FP32 scale per 256 elements: ~1+1); Lion its one momentum, fp32 or bf16; the math is "
@@ -172,7 +175,7 @@ def check_args(args, world: int, given: set[str] | None = None) -> dict | None:
                              "of --optimizer muon does not align to: use --moments bf16 or fp32")
     if args.optimizer == "lion" and args.moments == "int8":
         raise UsageError("--optimizer lion keeps one momentum in fp32 or bf16: use --moments fp32 or bf16, not int8")
-    if args.optimizer in ("ademamix", "lamb", "schedule_free") and args.moments != "fp32":
+    if args.optimizer in ("ademamix", "lamb", "schedule_free", "adafactor") and args.moments != "fp32":
         raise UsageError(f"--optimizer {args.optimizer} keeps its moments in fp32: use --moments fp32, not {args.moments}")
     args.keep_master = keep_master(args)
     if args.keep_master == "remainder" and args.dtype != "bf16":

@@ -82,28 +82,30 @@ def make_optimizer(args) -> transforms.GradientTransformation:
     step is the learning rate times its norm. ``--optimizer schedule_free``: Schedule-Free AdamW
     (``b1 = 0.9`` its interpolation, AdamW's ``b2``) with the warmup and no decay
     (``lr_schedule``), the same weight decay and mask; evaluate its averaged params
-    (``eval_params``)."""
+    (``eval_params``). ``--optimizer adafactor``: Adafactor (torch's defaults: factored second
+    moment, relative step ``max(1e-3, RMS(p)) * min(lr, 1/sqrt(t))``, update clipping) on every
+    param, the same schedule, the weight decay on the masked leaves only (torch's Adafactor has
+    no mask: two groups)."""
     lr = lr_schedule(args)
     clip = [] if math.isinf(args.grad_clip) else [transforms.clip_by_global_norm(args.grad_clip)]
     moments = MOMENTS[args.moments]
-    adamw = transforms.adamw(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, weight_decay_mask=decays,
-                             mu_dtype=moments, nu_dtype=moments)
-    if args.optimizer == "lion":
-        return transforms.chain(*clip, transforms.lion(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
-                                                       weight_decay_mask=decays, mu_dtype=moments))
-    if args.optimizer == "ademamix":
-        return transforms.chain(*clip, transforms.ademamix(lr=lr, betas=(0.9, 0.99, 0.999), alpha=5.0,
-                                                           weight_decay=args.weight_decay, weight_decay_mask=decays))
-    if args.optimizer == "schedule_free":
-        return transforms.chain(*clip, transforms.schedule_free_adamw(lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
-                                                                      weight_decay_mask=decays))
-    if args.optimizer == "lamb":
-        return transforms.chain(*clip, transforms.lamb(lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
-                                                       weight_decay_mask=decays))
-    if args.optimizer == "muon":
-        muon = transforms.muon(lr=lr, weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw")
-        return transforms.chain(*clip, transforms.partition({"muon": muon, "adamw": adamw}, gpt.muon_labels))
-    return transforms.chain(*clip, adamw)
+    decay = {"weight_decay": args.weight_decay, "weight_decay_mask": decays}
+    adamw = lambda: transforms.adamw(lr=lr, betas=(0.9, 0.99), mu_dtype=moments, nu_dtype=moments, **decay)  # noqa: E731
+    optimizers = {
+        "adamw": adamw,
+        "lion": lambda: transforms.lion(lr=lr, betas=(0.9, 0.99), mu_dtype=moments, **decay),
+        "ademamix": lambda: transforms.ademamix(lr=lr, betas=(0.9, 0.99, 0.999), alpha=5.0, **decay),
+        "schedule_free": lambda: transforms.schedule_free_adamw(lr, betas=(0.9, 0.99), **decay),
+        "lamb": lambda: transforms.lamb(lr=lr, betas=(0.9, 0.99), **decay),
+        # torch.optim.Adafactor has no mask: the decayed leaves are a group of their own
+        "adafactor": lambda: transforms.partition(
+            {"decay": transforms.adafactor(lr, weight_decay=args.weight_decay), "rest": transforms.adafactor(lr)},
+            lambda p: optree.tree_map(lambda d: "decay" if d else "rest", decays(p))),
+        "muon": lambda: transforms.partition(
+            {"muon": transforms.muon(lr=lr, weight_decay=args.weight_decay, adjust_lr_fn="match_rms_adamw"), "adamw": adamw()},
+            gpt.muon_labels),
+    }
+    return transforms.chain(*clip, optimizers[args.optimizer]())
 
 
 def make_mesh(spec, device: torch.device):

@@ -133,6 +133,7 @@ def main(argv=None):
         moments = {"adamw": f"2 {args.moments} moments", "lion": f"Lion's {args.moments} momentum",
                    "ademamix": "AdEMAMix's 3 fp32 moments", "lamb": "LAMB's 2 fp32 moments",
                    "schedule_free": "Schedule-Free's z and second moment, fp32",
+                   "adafactor": "Adafactor's fp32 row and column statistics (whole) and the vectors' second moment",
                    "muon": f"Muon's momentum on the blocks' matrices, 2 {args.moments} moments on the rest"}[args.optimizer]
         print(f"optimizer state: {state_bytes / 2**20:.2f} MiB per rank ({kept} + {moments} + the decay mask, "
               f"1/{shards} each: "

@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
+import torch.nn.functional as F
 
 from fzero.transforms import ShardContext, Split
 
@@ -228,16 +229,19 @@ class ShardView(ShardContext):
         return out.to(x.device)
 
     # ------------------------------------------------------------------ per-leaf norms
-    def leaf_norms(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def leaf_norms(self, *xs: torch.Tensor, rms: bool = False) -> tuple[torch.Tensor, ...]:
         """See ``ShardContext.leaf_norms``. Each run's sum of squares on this rank, one
         all-reduce of the ``[len(xs), leaves]`` sums over the shard group (every rank of it must
-        call it), and each leaf's norm spread over its run (compiled, the spread fuses into
-        whatever reads it)."""
+        call it), and each leaf's norm (``rms``: its norm over the square root of its size)
+        spread over its run (compiled, the spread fuses into whatever reads it)."""
         g = self.geometry
         slot = {leaf: j for j, leaf in enumerate(self.leaves)}
         sums = [xs[0].new_zeros(len(xs), dtype=torch.float32)] * len(self.leaves)
         for r in self.runs:
-            sums[slot[r.leaf]] = torch.stack([x[r.shard_at:r.shard_at + r.length].float().square().sum() for x in xs])
+            parts = [x[r.shard_at:r.shard_at + r.length].float().square().sum() for x in xs]
+            if rms:  # the mean of the squares: each rank's part over the leaf's size (a Python number)
+                parts = [s / math.prod(g.layout.shapes[r.leaf]) for s in parts]
+            sums[slot[r.leaf]] = torch.stack(parts)
         if not sums:
             return tuple(torch.zeros(self.numel, dtype=torch.float32, device=x.device) for x in xs)
         total = g.comm.all_reduce_sum(torch.stack(sums, 1).to(g.device), "the per-leaf sums of squares")
@@ -253,6 +257,79 @@ class ShardView(ShardContext):
             pieces.append(norms.new_zeros(len(xs), self.numel - pos))
         return tuple(torch.cat(pieces, 1).unbind(0)) if pieces else tuple(norms.new_zeros(0) for _ in xs)
 
+    # ------------------------------------------------------------------ factored statistics
+    def _matrices(self) -> list[tuple[int, int, torch.Size]]:
+        """``(slot, leaf, shape)`` of each leaf of the view with 2 or more dims, in leaf order."""
+        shapes = self.geometry.layout.shapes
+        return [(j, leaf, shapes[leaf]) for j, leaf in enumerate(self.leaves) if len(shapes[leaf]) >= 2]
+
+    def matrix_means(self, x: torch.Tensor) -> list:
+        """See ``ShardContext.matrix_means``. Per run of a matrix leaf: its elements padded to
+        whole rows (``[rows, C]``), summed along the rows and the columns into the leaf's
+        ``[B*R]`` and ``[B, C]`` sums (``B``: the product of the leading dims); then one all-reduce
+        of every matrix's sums over the shard group (every rank of it must call it), divided by
+        ``C`` and ``R``."""
+        g = self.geometry
+        mats = self._matrices()
+        out: list = [None] * len(self.leaves)
+        if not mats:
+            return out
+        x = x.float()
+        runs_of: dict[int, list[Run]] = {}
+        for r in self.runs:
+            runs_of.setdefault(r.leaf, []).append(r)
+        sums = []
+        for _, leaf, shape in mats:
+            R, C, B = shape[-2], shape[-1], math.prod(shape[:-2])
+            rows, cols = x.new_zeros(B * R), x.new_zeros(B, C)
+            for r in runs_of.get(leaf, ()):
+                q0, q1, a = _row_span(r, C)
+                block = F.pad(x[r.shard_at:r.shard_at + r.length], (a, (q1 - q0) * C - a - r.length)).view(q1 - q0, C)
+                rows = rows + F.pad(block.sum(1), (q0, B * R - q1))
+                b0, b1 = q0 // R, (q1 - 1) // R + 1
+                if b1 - b0 == 1:  # the rows of one matrix (always, for a 2-dim leaf)
+                    cols = cols + F.pad(block.sum(0, keepdim=True), (0, 0, b0, B - b1))
+                else:
+                    cols = cols.index_add(0, torch.arange(q0, q1, device=x.device) // R, block)
+            sums += [rows, cols.reshape(-1)]
+        total = g.comm.all_reduce_sum(torch.cat(sums).to(g.device), "the matrices' row and column sums").to(x.device)
+        pos = 0
+        for j, _, shape in mats:
+            R, C, B = shape[-2], shape[-1], math.prod(shape[:-2])
+            out[j] = (total[pos:pos + B * R].view(*shape[:-1], 1) / C,
+                      total[pos + B * R:pos + B * (R + C)].view(*shape[:-2], 1, C) / R)
+            pos += B * (R + C)
+        return out
+
+    def outer(self, factors: list) -> torch.Tensor:
+        """See ``ShardContext.outer``. Per run of a matrix leaf the rows it touches of
+        ``row * col`` (``[rows, C]``), cut to the run: no rank forms a whole leaf it holds a part of."""
+        shapes = self.geometry.layout.shapes
+        slot = {leaf: j for j, leaf in enumerate(self.leaves)}
+        some = next((f[0] for f in factors if f is not None), None)
+        if some is None:
+            raise ValueError("outer: no factors (the view holds no leaf of 2 or more dims)")
+        pieces, pos = [], 0
+        for r in self.runs:
+            if r.shard_at > pos:
+                pieces.append(some.new_zeros(r.shard_at - pos))
+            f = factors[slot[r.leaf]]
+            if f is None:
+                pieces.append(some.new_zeros(r.length))
+            else:
+                shape = shapes[r.leaf]
+                R, C = shape[-2], shape[-1]
+                q0, q1, a = _row_span(r, C)
+                rows, cols = f[0].reshape(-1)[q0:q1].unsqueeze(1), f[1].reshape(-1, C)
+                b0, b1 = q0 // R, (q1 - 1) // R + 1
+                cols = cols[b0:b1] if b1 - b0 == 1 else cols.index_select(
+                    0, torch.arange(q0, q1, device=cols.device) // R)
+                pieces.append((rows * cols).reshape(-1)[a:a + r.length])
+            pos = r.shard_at + r.length
+        if self.numel > pos:
+            pieces.append(some.new_zeros(self.numel - pos))
+        return concat(pieces) if pieces else some.new_zeros(0)
+
     def _whole_plan(self) -> WholePlan:
         """``whole``'s plan, worked out once (see ``fzero.whole_leaves.WholePlan``)."""
         if self._plan is None:
@@ -260,6 +337,13 @@ class ShardView(ShardContext):
             everyone = [self.runs_of(r) for r in range(g.comm.world_size)]
             self._plan = plan_whole(everyone, self.leaves, g.layout, g.rank, self.numel)
         return self._plan
+
+def _row_span(r: Run, C: int) -> tuple[int, int, int]:
+    """The rows of ``C`` elements (of the flattened leaf) that run ``r`` touches, ``[q0, q1)``,
+    and where the run starts in the first: element ``a`` of ``[q0 * C, q1 * C)``."""
+    q0, q1 = r.start // C, (r.start + r.length - 1) // C + 1
+    return q0, q1, r.start - q0 * C
+
 
 def bind(tx, context: ShardContext):
     """``tx`` whose ``update`` gets ``context=context`` (a transform that ``needs_context``;

@@ -159,15 +159,15 @@ SHARDED_STEPS = 6
 
 def sharded_rank_run(rank, world_size, make_tx, path=None):
     """SHARDED_STEPS steps of ``make_tx()`` through the engine on ``odd_params`` in FP32, 16-element
-    buckets (shards cut leaves), rank ``r``'s grads ``grads_like(p0, 10 * step + r)``: on a 2x2
+    buckets and no alignment (shards cut leaves, the matrix mid-row), rank ``r``'s grads ``grads_like(p0, 10 * step + r)``: on a 2x2
     mesh (``replicate``, ``shard``) when ``world_size`` is 4 and ``path`` is given, where a
     checkpoint is saved after step 3. Returns ``{"params": ...}``."""
     mesh = None
-    if path is not None:
+    if path is not None and world_size == 4:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     p0 = odd_params()
-    engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, mesh=mesh)
+    engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, alignment=1, mesh=mesh)
     params, state, ss = engine.init(p0)
     for step in range(SHARDED_STEPS):
         params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
@@ -176,9 +176,23 @@ def sharded_rank_run(rank, world_size, make_tx, path=None):
     return {"params": params}
 
 
-def mean_grads_run(make_tx, world_size, start=None, steps=range(SHARDED_STEPS)):
+def resumed_rank_run(rank, world_size, make_tx, path):
+    """``sharded_rank_run``'s steps from step 3 on, from the checkpoint at ``path`` (saved after step
+    3, at another world size). Returns ``{"params": ...}``."""
+    p0 = odd_params()
+    engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, alignment=1)
+    engine.init(p0)  # the layout the load needs
+    params, state, ss, extra = fzero.checkpoint.load(path, engine)
+    assert extra == {"step": 3}
+    for step in range(3, SHARDED_STEPS):
+        params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
+    return {"params": params}
+
+
+def mean_grads_run(make_tx, world_size, start=None, steps=range(SHARDED_STEPS), *, carry=False):
     """``sharded_rank_run``'s steps in one process fed the ranks' mean grads: the final params
-    (from ``start = (engine, params, state, scaler_state)``, else from ``init``)."""
+    (from ``start = (engine, params, state, scaler_state)``, else from ``init``); ``carry``:
+    ``(params, state, scaler_state)``."""
     p0 = odd_params()
     if start is None:
         engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None)
@@ -187,7 +201,7 @@ def mean_grads_run(make_tx, world_size, start=None, steps=range(SHARDED_STEPS)):
     for step in steps:
         params, state, ss, _ = engine.step(params, mean_grads(lambda r: grads_like(p0, 10 * step + r), world_size),
                                            state, ss)
-    return params
+    return (params, state, ss) if carry else params
 
 
 def assert_sharded_runs_equal_one_process(make_tx, world_size, tmp_path=None):

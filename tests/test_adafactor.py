@@ -1,6 +1,7 @@
 """transforms.adafactor: against torch.optim.Adafactor run live on the same numbers (constant and
 scheduled learning rates, matrices of 2 and 3 dims factored, vectors not), its factored state's
-size, compiled against eager, no host sync, its arguments' errors, and the engine's refusal."""
+size, compiled against eager, no host sync, its arguments' errors, and its state through the
+engine (tests/test_transforms_sharded.py checks its updates there)."""
 from __future__ import annotations
 
 import optree
@@ -82,10 +83,20 @@ def test_bad_arguments_name_the_argument_and_a_valid_value(make, message):
         make()
 
 
-def test_the_engine_refuses_it_at_init_saying_why():
-    engine = fzero.zero1(transforms.adafactor(), param_dtype=torch.float32)
-    with pytest.raises(ValueError, match="row and column statistics, which fzero's engine does not shard yet"):
-        engine.init(odd_params())
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_through_the_engine_each_rank_keeps_the_statistics_whole_and_the_vectors_moment_sharded(world_size):
+    """Per rank: ``4 (R + C)`` bytes per matrix, whole, and an FP32 second moment of its own
+    elements of the vectors only (the matrices' elements keep none)."""
+    params = {"m": torch.zeros(300, 200), "t": torch.zeros(4, 30, 20), "v": torch.zeros(50)}
+    engine = fzero.zero1(transforms.adafactor(), param_dtype=torch.float32, loss_scale=None, alignment=1,
+                         simulate=(world_size - 1, world_size))
+    _, state, _ = engine.init(params)
+    moments = state.tx_state.moments.inner_states
+    assert [tuple(x.shape) for x in optree.tree_leaves(moments["factored"])] == [(300, 1), (1, 200), (4, 30, 1), (4, 1, 20)]
+    v0 = engine.layout.global_offsets[engine.layout.paths.index("v")]  # "v"'s elements: [v0, v0 + 50) of all
+    mine = sum(max(0, min(g1, v0 + 50) - max(g0, v0)) for g0, g1, _ in engine.layout.owned(world_size - 1))
+    assert moments["full"].numel() == mine and 0 < mine <= 50
+    assert sum(x.numel() * 4 for x in optree.tree_leaves(moments["factored"])) == 4 * (300 + 200) + 4 * 4 * (30 + 20)
 
 
 def test_set_hyperparams_checks_its_hyperparameters_as_the_factory_does():

@@ -4,14 +4,17 @@ import json
 import os
 import re
 
+import optree
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import fzero
 from fzero import checkpoint as ck
+from fzero import transforms
 from fzero.checkpoint import commit
 from fzero.checkpoint.strict_json import MAX_DEPTH
-from helpers import CKPT_ONE, ckpt_entries, ckpt_fresh_engine, edit_manifest, snapshot_dir
+from helpers import CKPT_ONE, ckpt_entries, ckpt_fresh_engine, edit_manifest, grads_like, odd_params, snapshot_dir
 
 
 def test_manifest_contents_and_no_pickle(saved):
@@ -198,3 +201,49 @@ def test_json_nested_too_deep_is_refused_naming_the_file(saved):
     assert not os.path.exists(fresh)  # refused before anything was written
     ck.save(fresh, params, state, ss, engine, extra={"d": nested(MAX_DEPTH - 2)})  # the manifest: MAX_DEPTH deep
     assert ck.load(fresh, ckpt_fresh_engine())[3] == {"d": nested(MAX_DEPTH - 2)}
+
+
+@pytest.fixture
+def adafactor_saved(tmp_path):
+    """A checkpoint of an Adafactor engine after 2 steps: ``(path, engine, state)``."""
+    engine = fzero.zero1(transforms.adafactor(), param_dtype=torch.float32, loss_scale=None)
+    params, state, ss = engine.init(odd_params())
+    for s in range(2):
+        params, state, ss, _ = engine.step(params, grads_like(odd_params(), s), state, ss)
+    path = str(tmp_path / "ckpt")
+    ck.save(path, params, state, ss, engine)
+    return path, engine, state
+
+
+def test_statistics_every_rank_holds_alike_are_stored_once_whole_with_their_shapes(adafactor_saved):
+    path, engine, state = adafactor_saved
+    m = ck.read_manifest(path)
+    stats = {e["name"]: e["shape"] for e in m["state"] if e["kind"] == "replicated"}
+    prefix = "tx_state/moments/inner_states/factored"
+    assert stats == {f"{prefix}/0/row": [3, 1, 1], f"{prefix}/0/col": [3, 1, 2], f"{prefix}/1/row": [7, 1],
+                     f"{prefix}/1/col": [1, 5]}
+    tensors = load_file(os.path.join(snapshot_dir(path), m["files"][0]["file"]))
+    assert torch.equal(tensors[f"{prefix}/1/row"], state.tx_state.moments.inner_states["factored"][1].row.reshape(-1))
+    fresh = fzero.zero1(transforms.adafactor(), param_dtype=torch.float32, loss_scale=None)
+    fresh.init(odd_params())
+    _, loaded, _, _ = ck.load(path, fresh)
+    for a, b in zip(optree.tree_leaves(loaded.tx_state), optree.tree_leaves(state.tx_state), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("change, want", [
+    (lambda e: e.update(shape=[7, 2]), r"state leaf '.*factored/1/row' has shape \[7, 2\] in the checkpoint but \[7, 1\] here"),
+    (lambda e: e.update(shape=[7.0, 1]), r"manifest field state\['.*factored/1/row'\]\.shape\[0\] = 7\.0: must be an integer"),
+    (lambda e: e.pop("shape"), r"manifest field state\['.*factored/1/row'\]\.shape is missing"),
+])
+def test_a_statistics_shape_is_validated_and_named(adafactor_saved, change, want):
+    path, engine, _ = adafactor_saved
+
+    def edit(m):
+        change(next(e for e in m["state"] if e["name"].endswith("factored/1/row")))
+
+    edit_fields(path, edit)
+    fresh = fzero.zero1(transforms.adafactor(), param_dtype=torch.float32, loss_scale=None)
+    fresh.init(odd_params())
+    with pytest.raises(ck.CheckpointError, match=want):
+        ck.load(path, fresh)

@@ -278,6 +278,7 @@ BAD_FLAGS = [  # (flags, ranks, what the one line must say)
     (["--optimizer", "ademamix", "--moments", "bf16"], 1, "--optimizer ademamix keeps its moments in fp32"),
     (["--optimizer", "lamb", "--moments", "int8"], 1, "--optimizer lamb keeps its moments in fp32"),
     (["--optimizer", "schedule_free", "--moments", "bf16"], 1, "--optimizer schedule_free keeps its moments in fp32"),
+    (["--optimizer", "adafactor", "--moments", "int8"], 1, "--optimizer adafactor keeps its moments in fp32"),
     # flags that fix the model and its optimizer state, against the checkpoint's (RESUMABLE)
     (["--resume", "{ckpt}", "--dtype", "fp16"], 1,
      "--resume {ckpt}: --dtype fp16 (checkpoint: bf16): these flags fix the model and its optimizer state; "
@@ -814,6 +815,25 @@ def test_schedule_free_optimizer_warms_up_without_decay_and_is_evaluated_at_its_
     want = fzero.unflatten((state.master - 0.1 * sf.z) / 0.9, engine.layout)
     tree_assert_close(x, want, rtol=1e-6, atol=1e-7)
     assert not all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(x), optree.tree_leaves(p)))
+
+
+def test_adafactor_optimizer_factors_the_matrices_and_decays_them_only():
+    """--optimizer adafactor: one engine step with zero grads at lr 0.1, weight decay 0.5. Its
+    update of a zero grad is zero, so the matrices move by the decay alone and the 1-D params
+    stay (torch's Adafactor has no mask: the decayed leaves are a group of their own). Every
+    matrix keeps a row and a column statistic whole, the 1-D params a second moment of their
+    elements."""
+    train_py = load_train_module()
+    engine = fzero.zero1(train_py.make_optimizer(decayed_args(train_py, "--optimizer", "adafactor")),
+                         param_dtype=torch.float32)
+    p, state, scaler_state = engine.init(nano_gpt_params())
+    groups = state.tx_state[1].inner_states  # chain(clip, partition({"decay": adafactor, "rest": adafactor}))
+    matrices = [x for x in optree.tree_leaves(p) if x.ndim >= 2]
+    factored = groups["decay"].moments.inner_states["factored"]
+    assert [(f.row.shape, f.col.shape) for f in factored] == [((*x.shape[:-1], 1), (1, x.shape[-1])) for x in matrices]
+    assert set(groups["decay"].moments.inner_states) == {"factored"} and set(groups["rest"].moments.inner_states) == {"full"}
+    assert groups["rest"].moments.inner_states["full"].numel() == sum(x.numel() for x in optree.tree_leaves(p) if x.ndim < 2)
+    assert_zero_grads_move_the_matrices_by_the_decay_alone(engine, p, state, scaler_state, lr=0.1, weight_decay=0.5)
 
 
 # ---------------------------------------------------------------- the compiled, sync-free main job

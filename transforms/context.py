@@ -21,8 +21,9 @@ class ShardContext:
     ``None``. ``to_shard(per_leaf)``: a pytree like ``tree`` of per-leaf values (bools, or bool
     tensors broadcastable to each leaf) -> a bool tensor laid out like the tensor.
 
-    Two more methods serve transforms that are not elementwise (``partition``, Muon); this base
-    class, for callers that only lay out masks, raises ``NotImplementedError`` in both:
+    More methods serve transforms that are not elementwise (``partition``, Muon, LAMB,
+    Adafactor); this base class, for callers that only lay out masks, raises
+    ``NotImplementedError`` in each:
 
     * ``split(labels_of) -> Split``: the tensor's elements grouped by the label of their leaf
       (``labels_of(tree)``: one string per leaf of ``tree``, in leaf order; called once, the
@@ -33,10 +34,21 @@ class ShardContext:
       ``fn(that leaf of x, whole, in its shape)`` (padding: zero). The caller gathers each leaf
       whole however it holds them (fzero: through its communicator); the transform stays
       blind to ranks;
-    * ``leaf_norms(*xs)``: tensors laid out like the tensor -> for each, an FP32 tensor laid out
-      the same where every element holds the L2 norm of its whole leaf of that ``x`` (padding:
-      zero): LAMB's per-leaf norms. The caller sums each leaf's squares over the ranks that
-      hold a part of it (fzero: one all-reduce of ``len(xs)`` values per leaf)."""
+    * ``leaf_norms(*xs, rms=False)``: tensors laid out like the tensor -> for each, an FP32
+      tensor laid out the same where every element holds the L2 norm of its whole leaf of that ``x`` (``rms``:
+      the norm over the square root of the leaf's size; padding: zero): LAMB's per-leaf norms,
+      Adafactor's RMS. The caller sums each leaf's squares over the ranks that hold a part of it
+      (fzero: one all-reduce of ``len(xs)`` values per leaf);
+    * ``matrix_means(x)``: ``x`` laid out like the tensor -> for each leaf of ``tree`` (leaf
+      order) with 2 or more dims, ``(row, col)``: the means of its whole leaf of ``x`` over each
+      row, ``[..., R, 1]``, and over each column, ``[..., 1, C]`` (the last two dims; ``...``
+      the leading ones), FP32; ``None`` for the other leaves: Adafactor's factored statistics.
+      The caller sums them over the ranks that hold a part of a leaf (fzero: one all-reduce of
+      every matrix's rows and columns), so every rank gets them whole and alike;
+    * ``outer(factors)``: ``factors`` as ``matrix_means`` returns them (any ``(row, col)``
+      of those shapes) -> an FP32 tensor laid out like the tensor whose element ``[..., i, j]``
+      of each matrix is ``row[..., i, 0] * col[..., 0, j]`` (other leaves, padding: zero),
+      computed only for the elements the tensor holds."""
 
     def __init__(self, tree: Any, to_shard: Callable[[Any], torch.Tensor]):
         self.tree, self.to_shard = tree, to_shard
@@ -47,9 +59,14 @@ class ShardContext:
     def whole(self, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], *, dtype=None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} cannot gather whole leaves (whole)")
 
-    def leaf_norms(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def leaf_norms(self, *xs: torch.Tensor, rms: bool = False) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError(f"{type(self).__name__} cannot reduce over whole leaves (leaf_norms)")
 
+    def matrix_means(self, x: torch.Tensor) -> list:
+        raise NotImplementedError(f"{type(self).__name__} cannot reduce over whole leaves (matrix_means)")
+
+    def outer(self, factors: list) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} cannot lay out per-leaf factors (outer)")
 
 class Split(NamedTuple):
     """``ShardContext.split``'s result. ``parts``: ``{label: ShardContext}`` of each group's

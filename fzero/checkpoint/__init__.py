@@ -69,7 +69,7 @@ from . import background, commit, files, lock, manifest, reshard, staging
 from .collective import agree, error_text, ready
 from .commit import need_safetensors, no_hook
 from .export import EXPORT_FORMAT, export_full, full_master
-from .form import engine_form, saved_form
+from .form import engine_form, replicated, saved_form
 from .manifest import FORMAT
 from .snapshot import open_snapshot, read_snapshot_manifest, verify_snapshot
 from .strict_json import VERSION, CheckpointError
@@ -93,9 +93,9 @@ def _check_save_args(path: str, params, state, scaler_state, engine: Engine, ext
     # the FP32 master joined from this rank's shard of them and the remainder
     # (params edited since the step, or of another step with the remainder, raise here; so do
     # params written where no version counter saw it: ``lineage.checked_fp32_master``)
-    names, leaves, _ = leaf_paths(saved_form(lineage.checked_fp32_master(params, state, engine, where="checkpoint.save"),
-                                            engine.shard_context))
-    kinds = manifest.classify(names, leaves, engine.layout.shard_numel)
+    saved = saved_form(lineage.checked_fp32_master(params, state, engine, where="checkpoint.save"), engine.shard_context)
+    names, leaves, _ = leaf_paths(saved)
+    kinds = manifest.classify(names, leaves, engine.layout.shard_numel, replicated(saved))
     return names, leaves, kinds, manifest.extra_json(extra)
 
 
@@ -168,10 +168,10 @@ def async_save(path, params: Any, state: ZeroState, scaler_state: LossScaleState
     # writers meet in the exchange, whose first round is this call's arrival and agreement.
     peers = writer.exchange(comm, first_timeout=engine.call_timeout)
 
-    def stage(names, leaves, kinds, scaler, owned):
+    def stage(names, leaves, kinds, scaler, owned, whole):
         # the replicas of a hybrid mesh other than the first write no shard: they stage none (and
         # hold no reference to the state, which the next steps may free)
-        return staging.staged(names, leaves, kinds, scaler, owned if comm.replica == 0 else [], writer.buffer)
+        return staging.staged(names, leaves, kinds, scaler, owned if comm.replica == 0 else [], whole, writer.buffer)
 
     try:
         if not (isinstance(writer_nice, int) and not isinstance(writer_nice, bool) and 0 <= writer_nice <= 19):
@@ -192,7 +192,9 @@ def _contents(path, params, state, scaler_state, engine: Engine, extra, stage) -
     """``(contents, extra_text)``: this rank's part of the snapshot, ``stage``-d
     (:mod:`fzero.checkpoint.staging`), and ``extra`` as JSON text; the arguments checked."""
     names, leaves, kinds, extra_text = _check_save_args(path, params, state, scaler_state, engine, extra)
-    return stage(names, leaves, kinds, scaler_state, engine.layout.owned(engine.comm.rank)), extra_text
+    comm = engine.comm  # the first rank writes the leaves every rank holds alike
+    return stage(names, leaves, kinds, scaler_state, engine.layout.owned(comm.rank), comm.rank == 0 and comm.replica == 0), \
+        extra_text
 
 
 def _write(path: str, contents: staging.Contents, extra_text: str, engine: Engine, layout, peers, hook: Callable) -> None:

@@ -15,6 +15,11 @@ A ``partition``'s state holds each group's elements of the shard only, compacted
 stores each such leaf spread over the whole shard, zero outside its group, so that it too maps
 to global coordinates (``ungrouped``), and a load takes each group's elements
 back out of it in the loading engine's layout (``regrouped``).
+
+Statistics that every rank holds whole and alike (``transforms.adafactor``'s per-matrix row
+and column means, ``is_replicated``) are not in global coordinates but independent of the
+world size: a checkpoint stores them once, as they are (``replicated``), and every rank of
+any world size loads them whole.
 """
 from __future__ import annotations
 
@@ -22,12 +27,13 @@ from typing import Any
 
 import optree
 
+from fzero.transforms.adafactor import is_replicated
 from fzero.transforms.partition import PartitionState
 from fzero.transforms.quantize import is_stored
 
 from ..shard_view import ShardView
 
-__all__ = ["saved_form", "engine_form", "converts", "ungrouped", "regrouped"]
+__all__ = ["saved_form", "engine_form", "converts", "replicated", "ungrouped", "regrouped"]
 
 # shard leaves a load converts between (the moment dtypes a checkpoint may hold): a saved
 # leaf of one loads into an engine leaf of another
@@ -38,6 +44,13 @@ def converts(saved: str, engine: str) -> bool:
     """Whether a saved ``[S]`` leaf of dtype ``saved`` (a checkpoint's dtype name) loads into an
     engine leaf of dtype ``engine``: the same dtype, or FP32 and BF16 either way (moments)."""
     return saved == engine or {saved, engine} <= set(CONVERTIBLE)
+
+
+def replicated(state: Any) -> frozenset:
+    """The ``id`` of every tensor of ``state`` that every rank holds whole and alike (in an
+    ``is_replicated`` node): the leaves ``manifest.classify`` calls ``"replicated"``."""
+    nodes = optree.tree_leaves(state, is_leaf=is_replicated)
+    return frozenset(id(x) for node in nodes if is_replicated(node) for x in node)
 
 
 def saved_form(state: Any, view: ShardView) -> Any:

@@ -7,7 +7,8 @@ Fields::
     step                       extra["step"] if the save's ``extra`` has one (an integer >= 0), else null
     layout                     numel (P); leaves: [{path, shape, offset}], offset in the global [P]
                                vector; saved_with: {world_size, alignment, shard_numel, buckets}
-    state                      [{name, kind ("shard" | "scalar"), dtype, value (scalars only)}]
+    state                      [{name, kind ("shard" | "scalar" | "replicated"), dtype, value (scalars
+                               only), shape (replicated only)}]
     loss_scale                 policy (its repr), the LossScaleState fields, their dtypes
     extra                      the caller's dict
     files                      one per rank: {file, rank, segments [[g0, g1], ...], bytes, sha256}
@@ -56,21 +57,25 @@ _INT32_MAX = torch.iinfo(torch.int32).max
 
 
 # ---------------------------------------------------------------------------------- building
-def classify(names, leaves, shard_numel: int) -> list[str]:
-    """The kind of each state leaf: ``"shard"`` (``[S]``) or ``"scalar"`` (0-d); nothing else
-    can be stored."""
+def classify(names, leaves, shard_numel: int, replicated: frozenset = frozenset()) -> list[str]:
+    """The kind of each state leaf: ``"shard"`` (``[S]``), ``"scalar"`` (0-d) or, for a leaf whose
+    ``id`` is in ``replicated`` (``fzero.checkpoint.form.replicated``: held whole and alike by every
+    rank, Adafactor's statistics), ``"replicated"``, any shape: rank 0 stores it once; nothing
+    else can be stored."""
     kinds = []
     for name, leaf in zip(names, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise CheckpointError(f"state leaf {name!r} is a {type(leaf).__name__}, not a tensor; cannot checkpoint it")
-        if leaf.ndim == 0:
+        if id(leaf) in replicated:
+            kinds.append("replicated")
+        elif leaf.ndim == 0:
             kinds.append("scalar")
         elif leaf.ndim == 1 and leaf.shape[0] == shard_numel:
             kinds.append("shard")
         else:
             raise CheckpointError(
-                f"state leaf {name!r} has shape {tuple(leaf.shape)}: only [S]={shard_numel}-element shards "
-                "and 0-d tensors can be checkpointed"
+                f"state leaf {name!r} has shape {tuple(leaf.shape)}: only [S]={shard_numel}-element shards, "
+                "0-d tensors and statistics every rank holds alike (transforms.adafactor's) can be checkpointed"
             )
         if dtype_name(leaf.dtype) not in DTYPES:
             raise CheckpointError(f"state leaf {name!r} has unsupported dtype {leaf.dtype}")
@@ -113,6 +118,8 @@ def build_manifest(layout: Layout, engine, names, leaves, kinds, scaler_state, e
         entry = {"name": name, "kind": kind, "dtype": dtype_name(leaf.dtype)}
         if kind == "scalar":
             entry["value"] = json_value(leaf)
+        elif kind == "replicated":
+            entry["shape"] = list(leaf.shape)
         state_table.append(entry)
     scale_names = list(LossScaleState._fields)
     extra = json.loads(extra_text)
@@ -204,10 +211,13 @@ def _validate_state(c: Fields, state: list) -> None:
         if name in seen:
             c.fail(f"state[{i}].name", name, "must be unique")
         seen.add(name)
-        kind = c.choice(f"{f}.kind", c.get(entry, "kind", f), ("scalar", "shard"))
+        kind = c.choice(f"{f}.kind", c.get(entry, "kind", f), ("scalar", "shard", "replicated"))
         dtype = c.dtype(f"{f}.dtype", c.get(entry, "dtype", f))
         if kind == "scalar":
             _validate_scalar(c, f"{f}.value", c.get(entry, "value", f), dtype, name)
+        elif kind == "replicated":
+            for j, size in enumerate(c.sequence(f"{f}.shape", c.get(entry, "shape", f))):
+                c.integer(f"{f}.shape[{j}]", size)
 
 
 def _validate_scalar(c: Fields, field: str, value: Any, dtype: str, name: str) -> None:

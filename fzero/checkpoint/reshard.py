@@ -130,7 +130,7 @@ def _first_leaves(manifest: dict, t: Template, hyperparams: str) -> tuple[list, 
     masks = {id(node.mask) for node in named_tuples(t.state) if isinstance(node, MaskedState)}
     out, differ, engine_masks, seen = [], [], {}, set()
     for i, (name, leaf, kind) in enumerate(zip(t.names, t.leaves, t.kinds)):
-        if kind == "shard":  # fill the template's own buffers (no second copy of the state), padding zero
+        if kind in ("shard", "replicated"):  # fill the template's own buffers (no second copy of the state), padding zero
             if id(leaf) in masks:
                 engine_masks[i] = leaf.detach().clone()
             if leaf.untyped_storage().data_ptr() in seen:
@@ -186,7 +186,8 @@ def mask_differences(counts_by_rank: list) -> list[str]:
 
 
 def _read_file(path: str, snapshot: str, entry: dict, pieces: list, t: Template, out: list) -> None:
-    """Copy the ``pieces`` of one old shard file into this rank's buffers ``out``."""
+    """Copy the ``pieces`` of one old shard file into this rank's buffers ``out``, and, from the
+    first rank's file, every replicated leaf whole."""
     file = os.path.join(path, snapshot, entry["file"])
     length = sum(g1 - g0 for g0, g1 in entry["segments"])
     try:
@@ -201,11 +202,18 @@ def _read_file(path: str, snapshot: str, entry: dict, pieces: list, t: Template,
             raise CheckpointError(f"shard file {file} does not hold the ranges the manifest lists for it")
         keys = set(f.keys())
         for i, (name, kind) in enumerate(zip(t.names, t.kinds)):
-            if kind != "shard":
+            if kind == "scalar" or kind == "replicated" and entry["rank"] != 0:
                 continue
             if name not in keys:
                 raise CheckpointError(f"shard file {file} has no tensor for state leaf {name!r}")
             sl = f.get_slice(name)
+            if kind == "replicated":
+                src = sl[:] if sl.get_shape() == [out[i].numel()] else None
+                if src is None or src.dtype != out[i].dtype:
+                    raise CheckpointError(f"shard file {file}: state leaf {name!r} is {sl.get_shape()} {sl.get_dtype()}, "
+                                          f"expected [{out[i].numel()}] {out[i].dtype}")
+                out[i].view(-1).copy_(src)
+                continue
             if sl.get_shape() != [length]:
                 raise CheckpointError(f"shard file {file}: state leaf {name!r} has shape {sl.get_shape()}, expected [{length}]")
             for fpos, spos, m in pieces:
@@ -220,9 +228,10 @@ def read_state(path, snapshot, manifest, t: Template, owned, engine, hyperparams
     loss-scale state, the differing hyperparameters, its ``_mask_counts`` (``None`` with
     ``hyperparams="checkpoint"`` or no masks)."""
     out, differ, engine_masks = _first_leaves(manifest, t, hyperparams)
+    whole = "replicated" in t.kinds  # read from the first rank's file by every rank
     for entry in manifest["files"]:
         pieces = overlaps(entry["segments"], owned)
-        if pieces:
+        if pieces or whole and entry["rank"] == 0:
             _read_file(path, snapshot, entry, pieces, t, out)
     counts = None  # the same on every rank: whether they all take part in gathering the counts
     if hyperparams == "engine" and engine_masks:

@@ -28,7 +28,7 @@ from ..scaler import DynamicLossScale, LossScaleState
 from . import files
 from .commit import POINTER, read_pointer
 from .durable import file_sha256
-from .form import converts, saved_form
+from .form import converts, replicated, saved_form
 from .manifest import MANIFEST, classify, validate_manifest
 from .strict_json import CheckpointError, Fields, dtype_name, parse_json
 
@@ -121,6 +121,7 @@ def _check_model(manifest: dict, layout: Layout, where: str) -> None:
 def _check_state(manifest: dict, names, leaves, kinds, where: str) -> None:
     saved = manifest["state"]
     have = {n: (k, dtype_name(l.dtype)) for n, l, k in zip(names, leaves, kinds)}
+    shapes = {n: list(leaf.shape) for n, leaf in zip(names, leaves)}
     saved_names = [e["name"] for e in saved]
     for e in saved:
         if e["name"] not in have:
@@ -133,6 +134,9 @@ def _check_state(manifest: dict, names, leaves, kinds, where: str) -> None:
             raise CheckpointError(
                 f"{where}: state leaf {e['name']!r} is {e['kind']} {e['dtype']} in the checkpoint but {kind} {dtype} here"
             )
+        if kind == "replicated" and e["shape"] != shapes[e["name"]]:
+            raise CheckpointError(f"{where}: state leaf {e['name']!r} has shape {e['shape']} in the checkpoint but "
+                                  f"{shapes[e['name']]} here")
     for name in names:
         if name not in saved_names:
             raise CheckpointError(f"{where}: this engine's state leaf {name!r} is not in the checkpoint (a different transform?)")
@@ -182,7 +186,8 @@ def open_snapshot(path: str, snapshot: str, digest: str, engine, layout: Layout)
     engine_state, scaler = engine.state_like()
     state = saved_form(engine_state, engine.shard_context)
     names, leaves, spec = leaf_paths(state)
-    template = Template(state, scaler, names, leaves, spec, classify(names, leaves, layout.shard_numel), engine_state)
+    template = Template(state, scaler, names, leaves, spec, classify(names, leaves, layout.shard_numel, replicated(state)),
+                        engine_state)
     _check_loss_scale(manifest, engine, where)
     _check_model(manifest, layout, where)
     _check_state(manifest, names, leaves, template.kinds, where)
