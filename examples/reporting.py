@@ -242,6 +242,7 @@ def print_summary(s, log_path, plot_path, trace_dir):
         ("optimizer state", f"{s['opt_state_bytes_per_rank']:,} bytes per rank, {s['world_size']} rank(s); "
                             f"{s['optimizer']}, master {s['master']}, moments {s['moments']}"),
         ("params sha256", f"{s['params_sha256'][0][:16]}... {same}"),
+        ("weights", f"{s['weights']} (the params evaluated, {s['dtype']})"),
         ("compiled", f"{s['compiled_graphs']} graph(s) in this process"),
         ("metrics", log_path),
         ("plot", plot_path or "not written (matplotlib is not installed)"),

@@ -23,8 +23,10 @@ at the log steps; step_time_s and tokens_per_s are the means over the steps sinc
 then {"summary": ...} (its "checkpoints" lists the ones saved, "compiled_graphs" the graphs
 torch.compile made in the process -- the loss and the step, however long the run, the step
 alone with --bucket-mb; after --resume its "resumed" holds
-the checkpoint, its step and the hyperparameters the run continued with); and <out>/loss.png
-(loss, learning rate, loss scale).
+the checkpoint, its step and the hyperparameters the run continued with); <out>/loss.png
+(loss, learning rate, loss scale); and <out>/model.safetensors, the params the run ends at (the
+ones it evaluates: Schedule-Free's averaged x) in --dtype, keyed by leaf path
+(``fzero.checkpoint.export_full``).
 
 --resume DIR continues a checkpoint at any world size. A checkpoint records the flags that define
 the training (--model, --config, --block-size, --mlp-dims, --dtype, --keep-master, --moments, --data, --seed,
@@ -203,11 +205,16 @@ def main(argv=None):
     total_time = time.perf_counter() - start
     saves.finish()  # the last checkpoint is committed before the run ends
     progress.close()
+    # The trained model as one safetensors file keyed by leaf path, in --dtype: the params it is
+    # evaluated at (Schedule-Free: its averaged sequence x), to serve or fine-tune elsewhere.
+    weights = os.path.join(out, "model.safetensors")
+    fzero.checkpoint.export_full(weights, to_evaluate(params, state), engine)
 
     # Every rank hashes its full param buffer: ZeRO-1 must leave them bit-identical.
     digests = gather_to_all(sha256(fzero.flatten(params, engine.layout)))
     summary = summarize(records, args, world, n_params, state_bytes, tokens_per_step, total_time, digests)
     summary["checkpoints"] = saves.saved
+    summary["weights"] = weights
     summary["compiled_graphs"] = compiled_graphs()  # a recompile would show here
     if resumed:
         summary["resumed"] = resumed

@@ -22,6 +22,7 @@ from pathlib import Path
 import optree
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import fzero
 from fzero import transforms
@@ -121,6 +122,10 @@ def test_two_ranks_fp16_log_is_complete_loss_falls_params_agree(tmp_path):
     assert len(digests) == 2 and len(set(digests)) == 1 and len(digests[0]) == 64
     assert summary["params_identical_across_ranks"] is True
     assert "identical on every rank" in proc.stdout
+    # The model file: every param, by leaf path, in FP16 (rank 0 wrote it).
+    weights = load_file(summary["weights"])
+    assert summary["weights"] == str(tmp_path / "run" / "model.safetensors")
+    assert sum(x.numel() for x in weights.values()) == p and {x.dtype for x in weights.values()} == {torch.float16}
     assert "still referenced" not in proc.stderr  # the compiled step let go of the process group
     # The learning rate each step applied: warmup from 0 towards --lr 3e-3 over 30 updates (skipped
     # steps do not count), then cosine down towards 3e-4 at step 40.
