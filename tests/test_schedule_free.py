@@ -152,3 +152,14 @@ def test_a_constant_learning_rate_set_between_steps_moves_the_step_and_the_avera
     tree_assert_close(moved, want, rtol=0, atol=0)
     unchanged, _ = tx_of(1e-2, 0, (0.9, 0.999), 0.0, 2.0).update(grads[2], state, p)
     assert not all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(moved), optree.tree_leaves(unchanged)))
+
+
+@pytest.mark.parametrize("b1", [0.0, 1.0])
+def test_set_hyperparams_checks_b1_as_the_factory_does(b1):
+    """``b1`` in (0, 1), not the [0, 1) of Adam's betas: the evaluation params divide by it."""
+    state = tx_of(1e-2, 0, (0.9, 0.999), 0.0, 2.0).init(odd_params())
+    with pytest.raises(ValueError, match=r"b1 must be in \(0, 1\): x is \(y - \(1 - b1\) z\) / b1"):
+        transforms.set_hyperparams(state, b1=b1)
+    with pytest.raises(ValueError, match=r"schedule_free_adamw: betas\[0\] must be in \(0, 1\)"):
+        transforms.schedule_free_adamw(1e-2, betas=(b1, 0.999))
+    assert float(dict(transforms.iter_hyperparams(transforms.set_hyperparams(state, b1=0.5)))["b1"]) == 0.5

@@ -103,7 +103,8 @@ def set_hyperparams(state, **values):
     the built-in names are checked like the factories' arguments (``lr``, ``eps``,
     ``weight_decay``, ``momentum``, ``alpha``, ``weight_lr_power``, ``eps1``, ``eps2`` finite and
     >= 0; ``b1``, ``b2``, ``b3`` in [0, 1); ``max_norm`` finite and > 0; ``beta2_decay`` finite
-    and <= 0; ``d`` finite and >= 1), Python numbers and tensors alike (a tensor is read on the host: call this between
+    and <= 0; ``d`` finite and >= 1; a state class may narrow a range in its ``RULES``, as
+    ``ScheduleFreeState`` does ``b1`` to (0, 1)), Python numbers and tensors alike (a tensor is read on the host: call this between
     steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
     ``state``: a transform's state, or a holder of one (``register_holder``: fzero's engine
     state), returned with the same structure.
@@ -118,6 +119,10 @@ def set_hyperparams(state, **values):
     unknown = set(values) - stored
     if unknown:
         raise KeyError(f"no hyperparameter(s) {sorted(unknown)} in state; have {sorted(stored)}")
+    for node in named_tuples(state):  # first a state class's narrower range of a name (its ``RULES``)
+        for name, rule in getattr(type(node), "RULES", {}).items():
+            if name in values:
+                check_number(f"set_hyperparams ({type(node).__name__})", name, values[name], rule)
     checked = {}
     for name, value in values.items():
         checked[name] = check_number("set_hyperparams", name, value, HYPERPARAM_RULES[name]) if name in HYPERPARAM_RULES else float(value)

@@ -84,6 +84,8 @@ class ScheduleFreeState(NamedTuple):
     z: object
 
     HYPERPARAMS = ("b1", "weight_lr_power")
+    # narrower than HYPERPARAM_RULES["b1"]: the evaluation params divide by b1
+    RULES = {"b1": (lambda v: 0.0 < v < 1.0, "in (0, 1): x is (y - (1 - b1) z) / b1")}
 
 
 def schedule_free_eval_params(state, params):
@@ -125,8 +127,7 @@ def schedule_free_adamw(lr=0.0025, warmup_steps: int = 0, betas: tuple[float, fl
     if len(betas) != 2:
         raise ValueError(f"schedule_free_adamw: betas must be (b1, b2), got {betas!r}")
     b1, b2 = betas
-    if not 0.0 < b1 < 1.0:
-        raise ValueError(f"schedule_free_adamw: betas[0] must be in (0, 1): x is (y - (1 - b1) z) / b1, got {b1!r}")
+    check_number("schedule_free_adamw", "betas[0]", b1, ScheduleFreeState.RULES["b1"])
     check_number("schedule_free_adamw", "betas[1]", b2, HYPERPARAM_RULES["b2"])
     check_number("schedule_free_adamw", "eps", eps, HYPERPARAM_RULES["eps"])
     check_number("schedule_free_adamw", "weight_lr_power", weight_lr_power, HYPERPARAM_RULES["weight_lr_power"])
