@@ -215,7 +215,7 @@ def adafactor_saved(tmp_path):
     return path, engine, state
 
 
-def test_statistics_every_rank_holds_alike_are_stored_once_whole_with_their_shapes(adafactor_saved):
+def test_statistics_every_rank_holds_alike_are_stored_once_whole_with_their_shapes_and_exported(adafactor_saved):
     path, engine, state = adafactor_saved
     m = ck.read_manifest(path)
     stats = {e["name"]: e["shape"] for e in m["state"] if e["kind"] == "replicated"}
@@ -229,6 +229,9 @@ def test_statistics_every_rank_holds_alike_are_stored_once_whole_with_their_shap
     _, loaded, _, _ = ck.load(path, fresh)
     for a, b in zip(optree.tree_leaves(loaded.tx_state), optree.tree_leaves(state.tx_state), strict=True):
         assert torch.equal(a, b)
+    ck.export_full(os.path.join(path, "..", "full.safetensors"), state, engine, moments=True)  # by path, whole
+    exported = load_file(os.path.join(path, "..", "full.safetensors"))
+    assert torch.equal(exported[f"{prefix}/0/col"], state.tx_state.moments.inner_states["factored"][0].col)
 
 
 @pytest.mark.parametrize("change, want", [

@@ -17,7 +17,7 @@ from ..flat import unflatten
 from ..layout import Layout
 from . import commit, durable
 from .collective import agree, ready
-from .form import saved_form
+from .form import replicated, saved_form
 from .strict_json import CheckpointError, dtype_name
 
 __all__ = ["EXPORT_FORMAT", "export_full", "full_master"]
@@ -68,7 +68,9 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
 
     ``moments`` (with the ``ZeroState``): also every floating ``[S]`` leaf of the transform
     state -- Adam's moments -- as FP32 (8-bit moments dequantized, BF16 ones widened), keyed by
-    the state leaf's path and the params leaf's (``"tx_state/0/mu/blocks/0/attn/qkv_w"``).
+    the state leaf's path and the params leaf's (``"tx_state/0/mu/blocks/0/attn/qkv_w"``), and
+    every statistic each rank holds whole (Adafactor's rows and columns) keyed by its path
+    (``"tx_state/moments/inner_states/factored/0/row"``).
 
     For an ``nn.Module`` (without ``moments``): ``module.load_state_dict({k.replace("/", "."): v
     for k, v in safetensors.torch.load_file(path).items()})``.
@@ -96,9 +98,14 @@ def export_full(path, params_or_state, engine: Engine, *, moments: bool = False)
         kind = "master"
         if moments:
             kind = "master+moments"
-            names, shards, _ = leaf_paths(saved_form(params_or_state.tx_state, engine.shard_context))
+            saved = saved_form(params_or_state.tx_state, engine.shard_context)
+            whole = replicated(saved)
+            names, shards, _ = leaf_paths(saved)
             for name, shard in zip(names, shards):
-                if shard.is_floating_point() and shard.shape == (layout.shard_numel,):
+                if id(shard) in whole:  # every rank holds it whole (Adafactor's statistics)
+                    leaves.append(shard.float())
+                    keys.append(f"tx_state/{name}")
+                elif shard.is_floating_point() and shard.shape == (layout.shard_numel,):
                     leaves += [x.float() for x in optree.tree_leaves(_gathered(shard, engine))]
                     keys += [f"tx_state/{name}/{p}" for p in layout.paths]
     else:
