@@ -338,6 +338,7 @@ class ShardView(ShardContext):
             self._plan = plan_whole(everyone, self.leaves, g.layout, g.rank, self.numel)
         return self._plan
 
+
 def _row_span(r: Run, C: int) -> tuple[int, int, int]:
     """The rows of ``C`` elements (of the flattened leaf) that run ``r`` touches, ``[q0, q1)``,
     and where the run starts in the first: element ``a`` of ``[q0 * C, q1 * C)``."""
