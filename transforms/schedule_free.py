@@ -16,11 +16,10 @@ import optree
 import torch
 
 from .protocol import GradientTransformation
-from .combine import chain
 from .context import ShardContext
 from .hyperparams import HYPERPARAM_RULES
 from .scalars import first_device, hyperparam, scalar, zero_count
-from .scale import add_decayed_weights, learning_rate, scale_by_learning_rate
+from .scale import decoupled, learning_rate
 from .schedules import linear_warmup
 from .tree import map_leaves, named_tuples
 from .validate import check_count, check_number
@@ -137,8 +136,8 @@ def schedule_free_adamw(lr=0.0025, warmup_steps: int = 0, betas: tuple[float, fl
         if warmup_steps:
             lr = linear_warmup(0.0, lr, warmup_steps)
     schedule = lr if callable(lr) else None
-    base = chain(_scale_by_rms(b2, eps), add_decayed_weights(weight_decay, mask=weight_decay_mask),
-                 scale_by_learning_rate(lr))  # its state: (rms, decay, lr), the lr state at LR_STATE
+    # its state: (rms, decay, lr), the lr state at LR_STATE
+    base = decoupled("schedule_free_adamw", _scale_by_rms(b2, eps), lr, weight_decay, weight_decay_mask)
 
     def init(params, *, context: ShardContext | None = None):
         zero = torch.zeros((), dtype=torch.float32, device=first_device(params))
