@@ -78,11 +78,12 @@ class ShardView(ShardContext):
     group, each a ``Run`` whose ``shard_at`` is replaced by where it starts in that rank's
     tensor of the view, in order; ``runs``/``numel``: this rank's. ``parent``/``segments``:
     where this view's tensor lies in its parent's, as ``(start, stop)`` ranges of the parent's
-    tensor (``None`` and ``()`` for the root)."""
+    tensor (``None`` and ``()`` for the root). ``slot``: each leaf's index in ``leaves``."""
 
     def __init__(self, tree: Any, geometry: _Geometry, leaves: tuple[int, ...], parent: "ShardView | None" = None):
         super().__init__(tree, self._to_shard)
         self.geometry, self.leaves, self.parent = geometry, leaves, parent
+        self.slot = {leaf: j for j, leaf in enumerate(leaves)}
         self._runs: dict[int, tuple[Run, ...]] = {}
         self._splits: dict[Callable, Split] = {}
         self._plan = None
@@ -234,8 +235,7 @@ class ShardView(ShardContext):
         all-reduce of the ``[len(xs), leaves]`` sums over the shard group (every rank of it must
         call it), and each leaf's norm (``rms``: its norm over the square root of its size)
         spread over its run (compiled, the spread fuses into whatever reads it)."""
-        g = self.geometry
-        slot = {leaf: j for j, leaf in enumerate(self.leaves)}
+        g, slot = self.geometry, self.slot
         sums = [xs[0].new_zeros(len(xs), dtype=torch.float32)] * len(self.leaves)
         for r in self.runs:
             parts = [x[r.shard_at:r.shard_at + r.length].float().square().sum() for x in xs]
@@ -283,10 +283,9 @@ class ShardView(ShardContext):
             R, C, B = shape[-2], shape[-1], math.prod(shape[:-2])
             rows, cols = x.new_zeros(B * R), x.new_zeros(B, C)
             for r in runs_of.get(leaf, ()):
-                q0, q1, a = _row_span(r, C)
+                q0, q1, a, b0, b1 = _row_span(r, R, C)
                 block = F.pad(x[r.shard_at:r.shard_at + r.length], (a, (q1 - q0) * C - a - r.length)).view(q1 - q0, C)
                 rows = rows + F.pad(block.sum(1), (q0, B * R - q1))
-                b0, b1 = q0 // R, (q1 - 1) // R + 1
                 if b1 - b0 == 1:  # the rows of one matrix (always, for a 2-dim leaf)
                     cols = cols + F.pad(block.sum(0, keepdim=True), (0, 0, b0, B - b1))
                 else:
@@ -304,8 +303,7 @@ class ShardView(ShardContext):
     def outer(self, factors: list) -> torch.Tensor:
         """See ``ShardContext.outer``. Per run of a matrix leaf the rows it touches of
         ``row * col`` (``[rows, C]``), cut to the run: no rank forms a whole leaf it holds a part of."""
-        shapes = self.geometry.layout.shapes
-        slot = {leaf: j for j, leaf in enumerate(self.leaves)}
+        shapes, slot = self.geometry.layout.shapes, self.slot
         some = next((f[0] for f in factors if f is not None), None)
         if some is None:
             raise ValueError("outer: no factors (the view holds no leaf of 2 or more dims)")
@@ -319,9 +317,8 @@ class ShardView(ShardContext):
             else:
                 shape = shapes[r.leaf]
                 R, C = shape[-2], shape[-1]
-                q0, q1, a = _row_span(r, C)
+                q0, q1, a, b0, b1 = _row_span(r, R, C)
                 rows, cols = f[0].reshape(-1)[q0:q1].unsqueeze(1), f[1].reshape(-1, C)
-                b0, b1 = q0 // R, (q1 - 1) // R + 1
                 cols = cols[b0:b1] if b1 - b0 == 1 else cols.index_select(
                     0, torch.arange(q0, q1, device=cols.device) // R)
                 pieces.append((rows * cols).reshape(-1)[a:a + r.length])
@@ -339,11 +336,12 @@ class ShardView(ShardContext):
         return self._plan
 
 
-def _row_span(r: Run, C: int) -> tuple[int, int, int]:
-    """The rows of ``C`` elements (of the flattened leaf) that run ``r`` touches, ``[q0, q1)``,
-    and where the run starts in the first: element ``a`` of ``[q0 * C, q1 * C)``."""
+def _row_span(r: Run, R: int, C: int) -> tuple[int, int, int, int, int]:
+    """Where run ``r`` lies in its leaf of ``[..., R, C]`` elements: the rows of ``C`` elements
+    (of the flattened leaf) it touches, ``[q0, q1)``; where it starts in the first, element ``a``
+    of ``[q0 * C, q1 * C)``; the matrices of ``R`` rows those rows lie in, ``[b0, b1)``."""
     q0, q1 = r.start // C, (r.start + r.length - 1) // C + 1
-    return q0, q1, r.start - q0 * C
+    return q0, q1, r.start - q0 * C, q0 // R, (q1 - 1) // R + 1
 
 
 def bind(tx, context: ShardContext):
