@@ -179,8 +179,7 @@ def _process_writer(conn, buffer, nice: int) -> None:
 def measure_writers(trainer: Trainer, dev, rounds: int, steps: int, tmp: str, nice: int) -> dict:
     """Steps while the staged shard file is written by a thread or by a process (module doc)."""
     e = trainer.engine
-    names, leaves, _ = transforms.tree.leaf_paths(trainer.carry[1])
-    kinds = manifest.classify(names, leaves, e.layout.shard_numel)
+    names, leaves, _, kinds = manifest.state_leaves(trainer.carry[1], e.layout.shard_numel)
     buf = staging.StagingBuffer()
     contents = staging.staged(names, leaves, kinds, trainer.carry[2], e.layout.owned(0), True, buf)
     contents.ready()

@@ -44,8 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fzero  # noqa: E402
 from fzero import transforms  # noqa: E402
 from fzero.checkpoint import manifest, staging  # noqa: E402
-from fzero.checkpoint.form import replicated, saved_form  # noqa: E402
-from fzero.transforms.tree import leaf_paths  # noqa: E402
+from fzero.checkpoint.form import saved_form  # noqa: E402
 from common import hardware, median_time, table, write_json  # noqa: E402
 
 GB = 2**30
@@ -68,9 +67,7 @@ def storage_bytes(*trees) -> int:
 def staging_bytes(engine, state) -> int:
     """Host bytes of ``checkpoint.async_save``'s staging buffer for rank 0's ``state``: the real
     elements of its ``[S]`` leaves as a checkpoint stores them, and the leaves every rank holds alike."""
-    saved = saved_form(state, engine.shard_context)
-    names, leaves, _ = leaf_paths(saved)
-    kinds = manifest.classify(names, leaves, engine.layout.shard_numel, replicated(saved))
+    names, leaves, _, kinds = manifest.state_leaves(saved_form(state, engine.shard_context), engine.layout.shard_numel)
     return staging.nbytes(names, leaves, kinds, engine.layout.owned(0), whole=True)
 
 

@@ -104,8 +104,9 @@ def set_hyperparams(state, **values):
     ``weight_decay``, ``momentum``, ``alpha``, ``weight_lr_power``, ``eps1``, ``eps2`` finite and
     >= 0; ``b1``, ``b2``, ``b3`` in [0, 1); ``max_norm`` finite and > 0; ``beta2_decay`` finite
     and <= 0; ``d`` finite and >= 1; a state class may narrow a range in its ``RULES``, as
-    ``ScheduleFreeState`` does ``b1`` to (0, 1)), Python numbers and tensors alike (a tensor is read on the host: call this between
-    steps, not inside one); a value out of range raises ``ValueError`` and changes nothing.
+    ``ScheduleFreeState`` does ``b1`` to (0, 1)), Python numbers and tensors alike (a tensor is
+    read on the host: call this between steps, not inside one); a value out of range raises
+    ``ValueError`` and changes nothing.
     ``state``: a transform's state, or a holder of one (``register_holder``: fzero's engine
     state), returned with the same structure.
     """

@@ -59,7 +59,6 @@ from typing import Any, Callable
 
 import torch
 
-from fzero.transforms.tree import leaf_paths
 
 from .. import lineage
 from ..engine import Engine, ZeroState, cast_params
@@ -69,7 +68,7 @@ from . import background, commit, files, lock, manifest, reshard, staging
 from .collective import agree, error_text, ready
 from .commit import need_safetensors, no_hook
 from .export import EXPORT_FORMAT, export_full, full_master
-from .form import engine_form, replicated, saved_form
+from .form import engine_form, saved_form
 from .manifest import FORMAT
 from .snapshot import open_snapshot, read_snapshot_manifest, verify_snapshot
 from .strict_json import VERSION, CheckpointError
@@ -94,8 +93,7 @@ def _check_save_args(path: str, params, state, scaler_state, engine: Engine, ext
     # (params edited since the step, or of another step with the remainder, raise here; so do
     # params written where no version counter saw it: ``lineage.checked_fp32_master``)
     saved = saved_form(lineage.checked_fp32_master(params, state, engine, where="checkpoint.save"), engine.shard_context)
-    names, leaves, _ = leaf_paths(saved)
-    kinds = manifest.classify(names, leaves, engine.layout.shard_numel, replicated(saved))
+    names, leaves, _, kinds = manifest.state_leaves(saved, engine.layout.shard_numel)
     return names, leaves, kinds, manifest.extra_json(extra)
 
 

@@ -39,14 +39,16 @@ from typing import Any, Callable
 import torch
 
 from fzero.transforms.hyperparams import HYPERPARAM_RULES
+from fzero.transforms.tree import leaf_paths
 
 from ..layout import Layout
 from ..scaler import LossScaleState
+from .form import replicated
 from .strict_json import (
     DTYPES, MAX_DEPTH, VERSION, CheckpointError, Fields, check_header, dtype_name, json_value, nested_too_deep, non_finite,
 )
 
-__all__ = ["FORMAT", "MANIFEST", "SHA256", "classify", "extra_json", "build_manifest", "validate_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "SHA256", "classify", "state_leaves", "extra_json", "build_manifest", "validate_manifest"]
 
 FORMAT = "fzero-checkpoint"  # the manifest's and the pointer's "format"
 MANIFEST = "manifest.json"  # its name in a snapshot directory
@@ -57,16 +59,23 @@ _INT32_MAX = torch.iinfo(torch.int32).max
 
 
 # ---------------------------------------------------------------------------------- building
-def classify(names, leaves, shard_numel: int, replicated: frozenset = frozenset()) -> list[str]:
+def state_leaves(state: Any, shard_numel: int) -> tuple[list[str], list, Any, list[str]]:
+    """``state``, as a checkpoint holds it (``fzero.checkpoint.form.saved_form``), flattened:
+    ``(names, leaves, treespec, kinds)``, each leaf's kind as ``classify`` says."""
+    names, leaves, spec = leaf_paths(state)
+    return names, leaves, spec, classify(names, leaves, shard_numel, replicated(state))
+
+
+def classify(names, leaves, shard_numel: int, whole: frozenset) -> list[str]:
     """The kind of each state leaf: ``"shard"`` (``[S]``), ``"scalar"`` (0-d) or, for a leaf whose
-    ``id`` is in ``replicated`` (``fzero.checkpoint.form.replicated``: held whole and alike by every
+    ``id`` is in ``whole`` (``fzero.checkpoint.form.replicated``: held whole and alike by every
     rank, Adafactor's statistics), ``"replicated"``, any shape: rank 0 stores it once; nothing
     else can be stored."""
     kinds = []
     for name, leaf in zip(names, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise CheckpointError(f"state leaf {name!r} is a {type(leaf).__name__}, not a tensor; cannot checkpoint it")
-        if id(leaf) in replicated:
+        if id(leaf) in whole:
             kinds.append("replicated")
         elif leaf.ndim == 0:
             kinds.append("scalar")

@@ -20,7 +20,6 @@ import hashlib
 import os
 from typing import Any, NamedTuple
 
-from fzero.transforms.tree import leaf_paths
 
 from ..engine import ZeroState
 from ..layout import Layout
@@ -28,8 +27,8 @@ from ..scaler import DynamicLossScale, LossScaleState
 from . import files
 from .commit import POINTER, read_pointer
 from .durable import file_sha256
-from .form import converts, replicated, saved_form
-from .manifest import MANIFEST, classify, validate_manifest
+from .form import converts, saved_form
+from .manifest import MANIFEST, state_leaves, validate_manifest
 from .strict_json import CheckpointError, Fields, dtype_name, parse_json
 
 __all__ = ["Template", "vanished", "read_snapshot_manifest", "check_shard", "verify_snapshot", "open_snapshot"]
@@ -185,9 +184,8 @@ def open_snapshot(path: str, snapshot: str, digest: str, engine, layout: Layout)
     where = os.path.join(path, snapshot, MANIFEST)
     engine_state, scaler = engine.state_like()
     state = saved_form(engine_state, engine.shard_context)
-    names, leaves, spec = leaf_paths(state)
-    template = Template(state, scaler, names, leaves, spec, classify(names, leaves, layout.shard_numel, replicated(state)),
-                        engine_state)
+    names, leaves, spec, kinds = state_leaves(state, layout.shard_numel)
+    template = Template(state, scaler, names, leaves, spec, kinds, engine_state)
     _check_loss_scale(manifest, engine, where)
     _check_model(manifest, layout, where)
     _check_state(manifest, names, leaves, template.kinds, where)
