@@ -157,17 +157,23 @@ def mean_grads(grads_of_rank, world_size):
 SHARDED_STEPS = 6
 
 
+def sharded_engine(make_tx, mesh=None):
+    """``make_tx()``'s engine for the sharded runs: FP32, 16-element buckets and no alignment
+    (shards cut leaves, the matrix mid-row)."""
+    return fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, alignment=1, mesh=mesh)
+
+
 def sharded_rank_run(rank, world_size, make_tx, path=None):
-    """SHARDED_STEPS steps of ``make_tx()`` through the engine on ``odd_params`` in FP32, 16-element
-    buckets and no alignment (shards cut leaves, the matrix mid-row), rank ``r``'s grads ``grads_like(p0, 10 * step + r)``: on a 2x2
-    mesh (``replicate``, ``shard``) when ``world_size`` is 4 and ``path`` is given, where a
-    checkpoint is saved after step 3. Returns ``{"params": ...}``."""
+    """SHARDED_STEPS steps of ``make_tx()`` through ``sharded_engine`` on ``odd_params``, rank
+    ``r``'s grads ``grads_like(p0, 10 * step + r)``: on a 2x2 mesh (``replicate``, ``shard``) when
+    ``world_size`` is 4 and ``path`` is given, where a checkpoint is saved after step 3. Returns
+    ``{"params": ...}``."""
     mesh = None
     if path is not None and world_size == 4:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     p0 = odd_params()
-    engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, alignment=1, mesh=mesh)
+    engine = sharded_engine(make_tx, mesh)
     params, state, ss = engine.init(p0)
     for step in range(SHARDED_STEPS):
         params, state, ss, _ = engine.step(params, grads_like(p0, 10 * step + rank), state, ss)
@@ -180,7 +186,7 @@ def resumed_rank_run(rank, world_size, make_tx, path):
     """``sharded_rank_run``'s steps from step 3 on, from the checkpoint at ``path`` (saved after step
     3, at another world size). Returns ``{"params": ...}``."""
     p0 = odd_params()
-    engine = fzero.zero1(make_tx(), param_dtype=torch.float32, loss_scale=None, bucket_bytes=64, alignment=1)
+    engine = sharded_engine(make_tx)
     engine.init(p0)  # the layout the load needs
     params, state, ss, extra = fzero.checkpoint.load(path, engine)
     assert extra == {"step": 3}
