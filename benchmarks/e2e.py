@@ -68,6 +68,7 @@ VARIANTS = {  # fzero recipes --variants can add beside the main job's
     "main": "the main job's make_train_step: compiled loss of the flat buffer + compiled step",
     "new-grads": "the main job's step with a new flat grads buffer from each backward (no grads_into)",
     "grads-buffer": "compiled loss of the params, grads laid out into a flat buffer kept across steps + compiled step",
+    "views-outside": "the main job's step with the params' views cut outside the compiled loss (a function of the views)",
     "grads-pytree": "compiled loss of the params, its per-leaf grads as they are + compiled step from the grads pytree",
     "overlapped": "engine.grad_and_value (reduce-scatter inside eager backward) + compiled step",
     # the same two with 16-bit grads sent as an FP32 copy (zero1(wire_dtype=torch.float32)), the
@@ -154,6 +155,8 @@ def fzero_main_job(cfg, dtype, batch, dev, world, variant: str = "main"):
         train_step = make_train_step(engine, loss_fn, compile=True)
     elif variant == "grads-buffer":
         train_step = grads_buffer_train_step(engine, loss_fn)
+    elif variant == "views-outside":
+        train_step = views_outside_train_step(engine, loss_fn)
     elif variant == "grads-pytree":
         train_step = grads_pytree_train_step(engine, loss_fn)
     elif variant == "new-grads":
@@ -210,6 +213,29 @@ def grads_buffer_train_step(engine, loss_fn):
             grads_buffer.append(torch.zeros_like(flat))
         flat_grads = fzero.flatten(grads, engine.layout, out=grads_buffer[0])
         flat, state, scaler_state, info = optimizer_step(flat, flat_grads, state, scaler_state)
+        return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
+
+    return train_step
+
+
+def views_outside_train_step(engine, loss_fn):
+    """``make_train_step``'s step with the params' views cut outside the compiled loss, eagerly by
+    ``fzero.unflatten(..., grads_into=)``, and the loss a compiled function of the views: the
+    same grads buffer and step, but the graph takes each leaf as an input of its own, so the
+    layers' kernels no longer read their weights at constant offsets of one flat input and
+    identical layers share their kernels (fewer to build cold: docs/startup.md)."""
+    optimizer_step = torch.compile(engine.step, fullgraph=True)
+    compiled_loss = torch.compile(loss_fn)
+    grads_buffer: list[torch.Tensor] = []
+
+    def train_step(params, state, scaler_state, batch):
+        flat = engine.flat_params(params)
+        if not grads_buffer:
+            grads_buffer.append(torch.zeros_like(flat))
+        leaf = flat.detach().requires_grad_()
+        loss = compiled_loss(fzero.unflatten(leaf, engine.layout, grads_into=grads_buffer[0]), batch)
+        fzero.scale_loss(loss, scaler_state).backward()
+        flat, state, scaler_state, info = optimizer_step(flat, grads_buffer[0], state, scaler_state)
         return fzero.unflatten(flat, engine.layout), state, scaler_state, loss.detach(), info
 
     return train_step
