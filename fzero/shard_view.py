@@ -275,14 +275,14 @@ class ShardView(ShardContext):
         if not mats:
             return out
         x = x.float()
-        runs_of: dict[int, list[Run]] = {}
+        by_leaf: dict[int, list[Run]] = {}
         for r in self.runs:
-            runs_of.setdefault(r.leaf, []).append(r)
+            by_leaf.setdefault(r.leaf, []).append(r)
         sums = []
         for _, leaf, shape in mats:
             R, C, B = shape[-2], shape[-1], math.prod(shape[:-2])
             rows, cols = x.new_zeros(B * R), x.new_zeros(B, C)
-            for r in runs_of.get(leaf, ()):
+            for r in by_leaf.get(leaf, ()):
                 q0, q1, a, b0, b1 = _row_span(r, R, C)
                 block = F.pad(x[r.shard_at:r.shard_at + r.length], (a, (q1 - q0) * C - a - r.length)).view(q1 - q0, C)
                 rows = rows + F.pad(block.sum(1), (q0, B * R - q1))

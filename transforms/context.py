@@ -35,10 +35,10 @@ class ShardContext:
       whole however it holds them (fzero: through its communicator); the transform stays
       blind to ranks;
     * ``leaf_norms(*xs, rms=False)``: tensors laid out like the tensor -> for each, an FP32
-      tensor laid out the same where every element holds the L2 norm of its whole leaf of that ``x`` (``rms``:
-      the norm over the square root of the leaf's size; padding: zero): LAMB's per-leaf norms,
-      Adafactor's RMS. The caller sums each leaf's squares over the ranks that hold a part of it
-      (fzero: one all-reduce of ``len(xs)`` values per leaf);
+      tensor laid out the same where every element holds the L2 norm of its whole leaf of that
+      ``x`` (``rms``: the norm over the square root of the leaf's size; padding: zero): LAMB's
+      per-leaf norms, Adafactor's RMS. The caller sums each leaf's squares over the ranks that
+      hold a part of it (fzero: one all-reduce of ``len(xs)`` values per leaf);
     * ``matrix_means(x)``: ``x`` laid out like the tensor -> for each leaf of ``tree`` (leaf
       order) with 2 or more dims, ``(row, col)``: the means of its whole leaf of ``x`` over each
       row, ``[..., R, 1]``, and over each column, ``[..., 1, C]`` (the last two dims; ``...``
@@ -67,6 +67,7 @@ class ShardContext:
 
     def outer(self, factors: list) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} cannot lay out per-leaf factors (outer)")
+
 
 class Split(NamedTuple):
     """``ShardContext.split``'s result. ``parts``: ``{label: ShardContext}`` of each group's

@@ -59,7 +59,6 @@ from typing import Any, Callable
 
 import torch
 
-
 from .. import lineage
 from ..engine import Engine, ZeroState, cast_params
 from ..flat import unflatten

@@ -20,7 +20,6 @@ import hashlib
 import os
 from typing import Any, NamedTuple
 
-
 from ..engine import ZeroState
 from ..layout import Layout
 from ..scaler import DynamicLossScale, LossScaleState

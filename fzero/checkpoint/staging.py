@@ -1,15 +1,16 @@
 """What a save writes, taken from the state at the call: borrowed (``save``) or staged (``async_save``).
 
 A rank's part of a snapshot is its shard file -- the real elements of every ``[S]`` state leaf
-that it owns (``Layout.owned``), leaf by leaf in file order (:mod:`fzero.checkpoint.shard_file`),
-and in the first rank's file the leaves every rank holds alike (``"replicated"``), whole and
-flattened -- and, for the manifest, the 0-d leaves and the loss-scale state. ``save`` writes it while the
-caller waits, so it *borrows* the state: the parts are views of the live leaves. ``async_save``
-returns before the write, and the caller may step at once (``donate=True`` writes the state in
-place), so it *stages* a copy: every part is copied into one host buffer laid out as the file's
-data section, the 0-d leaves next to it. The buffer is allocated at the first ``async_save`` of
-an engine and reused by the next ones (a save waits for the one before it); its size is the
-rank's shard file's data, one more copy of the rank's ``[S]`` state leaves in host memory.
+that it owns (``Layout.owned``), leaf by leaf in file order
+(:mod:`fzero.checkpoint.shard_file`), and in the first rank's file the leaves every rank holds
+alike (``"replicated"``), whole and flattened -- and, for the manifest, the 0-d leaves and the
+loss-scale state. ``save`` writes it while the caller waits, so it *borrows* the state: the
+parts are views of the live leaves. ``async_save`` returns before the write, and the caller may
+step at once (``donate=True`` writes the state in place), so it *stages* a copy: every part is
+copied into one host buffer laid out as the file's data section, the 0-d leaves next to it. The
+buffer is allocated at the first ``async_save`` of an engine and reused by the next ones (a
+save waits for the one before it); its size is the rank's shard file's data, one more copy of
+the rank's ``[S]`` state leaves in host memory.
 
 On CUDA the buffer is pinned (page-locked), so the device-to-host copies run on the DMA engines
 (as torch's ``DefaultStager`` and torchtitan's ``async_with_pinned_mem`` stage): issued on a
